@@ -1,0 +1,140 @@
+//! The provider interface: the traits every provider implements.
+//!
+//! These traits are statically typed (a domain's endpoints take that domain's completion
+//! queues). The `fabric` crate erases the provider type behind `enum_dispatch` enums for
+//! applications that pick a provider at run time.
+
+use std::fmt::Debug;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::{
+    Access, Buffer, Completion, EndpointState, MemoryRegion, ProviderInfo, RecvWr, Result, SendWr,
+};
+
+/// How to set up an endpoint, for connect and accept.
+#[derive(Debug)]
+pub struct EndpointConfig<'a, C> {
+    /// Completion queue for send-queue operations.
+    pub send_cq: &'a C,
+    /// Completion queue for receives.
+    pub recv_cq: &'a C,
+    /// Send queue depth (outstanding send-queue requests).
+    pub sq_depth: u32,
+    /// Receive queue depth (posted receives).
+    pub rq_depth: u32,
+    /// Private data carried on connect (initiator) or accept (listener).
+    pub private_data: &'a [u8],
+    /// Connection establishment timeout.
+    pub timeout: Duration,
+}
+
+impl<C> Clone for EndpointConfig<'_, C> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<C> Copy for EndpointConfig<'_, C> {}
+
+impl<'a, C> EndpointConfig<'a, C> {
+    /// A configuration with both queues on `cq`, depth 256 each, no private data, 10 s.
+    pub fn new(cq: &'a C) -> Self {
+        EndpointConfig {
+            send_cq: cq,
+            recv_cq: cq,
+            sq_depth: 256,
+            rq_depth: 256,
+            private_data: &[],
+            timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// The same configuration over other completion queues (used by run-time dispatch).
+    pub fn with_cqs<'b, D>(&self, send_cq: &'b D, recv_cq: &'b D) -> EndpointConfig<'b, D>
+    where
+        'a: 'b,
+    {
+        EndpointConfig {
+            send_cq,
+            recv_cq,
+            sq_depth: self.sq_depth,
+            rq_depth: self.rq_depth,
+            private_data: self.private_data,
+            timeout: self.timeout,
+        }
+    }
+}
+
+/// A protection domain on one device: registers memory, creates queues, connects.
+pub trait Domain: Send + Sync + Debug {
+    /// The provider's completion queue.
+    type Cq: CompletionQueue;
+    /// The provider's endpoint.
+    type Endpoint: Endpoint;
+    /// The provider's listener.
+    type Listener: Listener<Cq = Self::Cq, Endpoint = Self::Endpoint>;
+
+    /// Provider name, device and capabilities of this domain.
+    fn info(&self) -> &ProviderInfo;
+    /// Registers `buffer` with `access` (validated per the contract).
+    fn register(&self, buffer: Arc<Buffer>, access: Access) -> Result<MemoryRegion>;
+    /// Creates a completion queue that can hold `capacity` completions.
+    fn create_cq(&self, capacity: usize) -> Result<Self::Cq>;
+    /// Listens for connections at `addr` (port 0 picks one).
+    fn listen(&self, addr: SocketAddr) -> Result<Self::Listener>;
+    /// Connects a reliable endpoint to a listener at `addr`.
+    fn connect(
+        &self,
+        addr: SocketAddr,
+        cfg: &EndpointConfig<'_, Self::Cq>,
+    ) -> Result<Self::Endpoint>;
+}
+
+/// Accepts connection requests.
+pub trait Listener: Send + Sync + Debug {
+    /// Completion queue type.
+    type Cq;
+    /// Endpoint type.
+    type Endpoint;
+    /// The bound address.
+    fn local_addr(&self) -> SocketAddr;
+    /// Waits up to `timeout` for a connection request and accepts it.
+    fn accept(
+        &self,
+        cfg: &EndpointConfig<'_, Self::Cq>,
+        timeout: Duration,
+    ) -> Result<Self::Endpoint>;
+}
+
+/// A completion queue.
+pub trait CompletionQueue: Send + Sync + Debug {
+    /// Moves up to `max` completions into `out` without blocking; returns how many.
+    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize>;
+    /// Blocks (on an event, not a spin) until a completion is ready or `timeout` passes;
+    /// returns whether one is ready.
+    fn wait(&self, timeout: Duration) -> Result<bool>;
+    /// How many completions the queue can hold.
+    fn capacity(&self) -> usize;
+}
+
+/// A connected, reliable endpoint (RC queue pair semantics).
+pub trait Endpoint: Send + Sync + Debug {
+    /// Posts a send-queue request (send, write, read, atomic).
+    fn post_send(&self, wr: &SendWr<'_>) -> Result<()>;
+    /// Posts a receive.
+    fn post_recv(&self, wr: &RecvWr<'_>) -> Result<()>;
+    /// Current state.
+    fn state(&self) -> EndpointState;
+    /// Private data the peer sent on connect or accept.
+    fn peer_private_data(&self) -> Vec<u8>;
+    /// The local socket address of the connection.
+    fn local_addr(&self) -> SocketAddr;
+    /// The peer's socket address.
+    fn peer_addr(&self) -> SocketAddr;
+    /// Operations that are emulated on this connection (after negotiation with the peer).
+    fn emulated(&self) -> Vec<String>;
+    /// Graceful close: outstanding operations complete Flushed on both sides.
+    fn close(&self) -> Result<()>;
+}

@@ -1,0 +1,140 @@
+//! `fabric`: show providers, run the demo, run the conformance suite.
+#![forbid(unsafe_code)]
+
+mod demo;
+mod info;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use fabric::{Selector, PROVIDER_NAMES};
+
+/// One API over InfiniBand, RoCEv2, iWARP and a pure-Rust TCP fallback.
+#[derive(Debug, Parser)]
+#[command(name = "fabric", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Every provider: available or why not, devices, capabilities, limits.
+    Info {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// A client and a server moving data with send/receive, write, read and atomics.
+    Demo(demo::DemoArgs),
+    /// Run the conformance suite (semantics.md as tests) against providers.
+    Conformance {
+        /// Providers to test, comma separated.
+        #[arg(long, default_value = "tcp")]
+        provider: String,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+        /// Only cases whose name contains this.
+        #[arg(long)]
+        filter: Option<String>,
+        /// List the cases and exit.
+        #[arg(long)]
+        list: bool,
+    },
+    /// The peer process of multi-process conformance cases (internal).
+    #[command(hide = true)]
+    Peer {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Format {
+    Text,
+    Json,
+    Junit,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Info { json } => info::run(json),
+        Cmd::Demo(args) => demo::run(args),
+        Cmd::Conformance {
+            provider,
+            format,
+            filter,
+            list,
+        } => conformance(&provider, format, filter.as_deref(), list),
+        Cmd::Peer { args } => return ExitCode::from(fabric_conformance::peer::main(&args) as u8),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("fabric: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Builds the selector from the environment plus a `--provider` override.
+pub(crate) fn selector(provider: Option<&str>) -> Result<Selector, String> {
+    let s = Selector::from_env().map_err(|e| e.to_string())?;
+    match provider {
+        Some(p) => s.providers(p).map_err(|e| e.to_string()),
+        None => Ok(s),
+    }
+}
+
+fn conformance(
+    provider: &str,
+    format: Format,
+    filter: Option<&str>,
+    list: bool,
+) -> Result<ExitCode, String> {
+    if list {
+        for c in fabric_conformance::all_cases() {
+            println!("{:<44} section {}", c.name, c.section);
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let providers: Vec<String> = provider.split(',').map(|s| s.trim().to_string()).collect();
+    for p in &providers {
+        if !PROVIDER_NAMES.contains(&p.as_str()) {
+            return Err(format!(
+                "unknown provider {p:?}; valid names: {}",
+                PROVIDER_NAMES.join(", ")
+            ));
+        }
+    }
+    let exe = std::env::current_exe()
+        .map_err(|e| format!("cannot find own executable for peer processes: {e}"))?;
+    let interactive = matches!(format, Format::Text);
+    let report = fabric_conformance::run(&providers, filter, Some(exe), |r| {
+        if interactive {
+            eprintln!("{:<11} {:<6} {}", r.outcome, r.provider, r.name);
+        }
+    });
+    if report.cases.is_empty() {
+        return Err(format!("no case matches the filter {filter:?}"));
+    }
+    match format {
+        Format::Text => print!("{}", report.to_text()),
+        Format::Json => println!("{}", report.to_json()),
+        Format::Junit => print!("{}", report.to_junit()),
+    }
+    Ok(if report.any_fail() {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}

@@ -1,0 +1,312 @@
+//! Section 3: messaging (send / receive).
+
+use std::time::Duration;
+
+use fabric::prelude::*;
+
+use super::cases;
+use crate::ensure;
+use crate::harness::{
+    expect_err, expect_none, expect_ok, region, wait_state, Case, CaseResultOf, Ctx, Ctxt,
+};
+
+pub(super) fn cases() -> Vec<Case> {
+    cases! {
+        "msg.send_recv", "3", OpSet::SEND => send_recv;
+        "msg.receives_in_post_order", "3", OpSet::SEND => receives_in_order;
+        "msg.bytes_beyond_message_untouched", "3", OpSet::SEND => beyond_untouched;
+        "msg.receiver_not_ready_waits", "3", OpSet::SEND => receiver_not_ready;
+        "msg.longer_than_receive", "3", OpSet::SEND => too_long;
+        "msg.send_with_immediate", "3", OpSet::SEND_IMM => send_imm;
+        "msg.gather_and_scatter_lists", "3", OpSet::SEND => gather_scatter;
+        "msg.gather_list_over_max", "3", OpSet::SEND => sge_over_max;
+        "msg.zero_byte_message", "3", OpSet::SEND => zero_byte;
+        "msg.inline_buffer_free_at_once", "3", OpSet::SEND | OpSet::INLINE => inline_free;
+        "msg.inline_over_max", "3", OpSet::SEND | OpSet::INLINE => inline_over_max;
+        "msg.two_processes", "3", OpSet::SEND => two_processes;
+    }
+}
+
+fn send_recv(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let src = region(&p.da, 4096, Access::empty())?;
+    let dst = region(&p.db, 4096, Access::LOCAL_WRITE)?;
+    src.buffer().write(0, b"hello, fabric");
+    p.b.post_recv(&RecvWr::new(7, &[dst.all()]))
+        .ctx("post_recv")?;
+    p.a.post_send(&SendWr::send(3, &[src.slice(0..13).ctx("slice")?]))
+        .ctx("post_send")?;
+    let r = expect_ok(&p.cqb, 7, Opcode::Recv)?;
+    ensure!(r.byte_len == 13, "receive length {} != 13", r.byte_len);
+    ensure!(r.imm.is_none(), "unexpected immediate {:?}", r.imm);
+    expect_ok(&p.cqa, 3, Opcode::Send)?;
+    ensure!(
+        dst.buffer().to_vec(0, 13) == b"hello, fabric",
+        "payload differs"
+    );
+    Ok(())
+}
+
+fn receives_in_order(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let src = region(&p.da, 64, Access::empty())?;
+    let dst = region(&p.db, 3 * 64, Access::LOCAL_WRITE)?;
+    for i in 0..3 {
+        p.b.post_recv(&RecvWr::new(
+            100 + i,
+            &[dst
+                .slice(i as usize * 64..(i as usize + 1) * 64)
+                .ctx("slice")?],
+        ))
+        .ctx("post_recv")?;
+    }
+    for i in 0..3u8 {
+        src.buffer().fill(0, 64, b'a' + i);
+        p.a.post_send(
+            &SendWr::send(i.into(), &[src.slice(0..(10 + i as usize)).ctx("slice")?]).inline(),
+        )
+        .ctx("post_send")?;
+    }
+    for i in 0..3u64 {
+        let r = expect_ok(&p.cqb, 100 + i, Opcode::Recv)?;
+        ensure!(r.byte_len == 10 + i, "message {i} has {} bytes", r.byte_len);
+        let got = dst.buffer().to_vec(i as usize * 64, r.byte_len as usize);
+        ensure!(
+            got.iter().all(|&b| b == b'a' + i as u8),
+            "receive {i} holds {:?}",
+            String::from_utf8_lossy(&got)
+        );
+    }
+    Ok(())
+}
+
+fn beyond_untouched(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let src = region(&p.da, 64, Access::empty())?;
+    let dst = region(&p.db, 256, Access::LOCAL_WRITE)?;
+    dst.buffer().fill(0, 256, 0xAA);
+    src.buffer().fill(0, 64, 0x11);
+    p.b.post_recv(&RecvWr::new(1, &[dst.slice(16..256).ctx("slice")?]))
+        .ctx("post_recv")?;
+    p.a.post_send(&SendWr::send(2, &[src.slice(0..40).ctx("slice")?]))
+        .ctx("post_send")?;
+    expect_ok(&p.cqb, 1, Opcode::Recv)?;
+    let all = dst.buffer().to_vec(0, 256);
+    ensure!(
+        all[..16].iter().all(|&b| b == 0xAA),
+        "bytes before the receive changed"
+    );
+    ensure!(
+        all[16..56].iter().all(|&b| b == 0x11),
+        "message bytes wrong"
+    );
+    ensure!(
+        all[56..].iter().all(|&b| b == 0xAA),
+        "bytes beyond the message changed"
+    );
+    Ok(())
+}
+
+fn receiver_not_ready(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let src = region(&p.da, 1024, Access::empty())?;
+    let dst = region(&p.db, 1024, Access::LOCAL_WRITE)?;
+    src.buffer().fill(0, 1024, 0x5c);
+    p.a.post_send(&SendWr::send(9, &[src.all()]))
+        .ctx("post_send")?;
+    // Nothing may complete, nothing may fail, while no receive is posted.
+    expect_none(&p.cqa, Duration::from_millis(300))?;
+    expect_none(&p.cqb, Duration::from_millis(10))?;
+    ensure!(
+        p.a.state() == EndpointState::Connected,
+        "sender left Connected: {:?}",
+        p.a.state()
+    );
+    p.b.post_recv(&RecvWr::new(4, &[dst.all()]))
+        .ctx("post_recv")?;
+    let r = expect_ok(&p.cqb, 4, Opcode::Recv)?;
+    ensure!(r.byte_len == 1024, "length {}", r.byte_len);
+    expect_ok(&p.cqa, 9, Opcode::Send)?;
+    ensure!(
+        dst.buffer().to_vec(0, 1024).iter().all(|&b| b == 0x5c),
+        "payload lost or corrupted"
+    );
+    Ok(())
+}
+
+fn too_long(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let src = region(&p.da, 64, Access::empty())?;
+    let dst = region(&p.db, 64, Access::LOCAL_WRITE)?;
+    p.b.post_recv(&RecvWr::new(1, &[dst.slice(0..8).ctx("slice")?]))
+        .ctx("post_recv")?;
+    p.b.post_recv(&RecvWr::new(2, &[dst.slice(8..64).ctx("slice")?]))
+        .ctx("post_recv")?;
+    p.a.post_send(&SendWr::send(5, &[src.all()]))
+        .ctx("post_send")?;
+    let r = expect_err(&p.cqb, 1, ErrorKind::LocalLength)?;
+    ensure!(r.opcode == Opcode::Recv, "opcode {:?}", r.opcode);
+    expect_err(&p.cqb, 2, ErrorKind::Flushed)?;
+    expect_err(&p.cqa, 5, ErrorKind::RemoteInvalidRequest)?;
+    wait_state(&p.a, EndpointState::Error, Duration::from_secs(5))?;
+    wait_state(&p.b, EndpointState::Error, Duration::from_secs(5))?;
+    Ok(())
+}
+
+fn send_imm(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let src = region(&p.da, 64, Access::empty())?;
+    let dst = region(&p.db, 64, Access::LOCAL_WRITE)?;
+    p.b.post_recv(&RecvWr::new(1, &[dst.all()]))
+        .ctx("post_recv")?;
+    p.a.post_send(&SendWr::send(2, &[src.slice(0..5).ctx("slice")?]).with_imm(0xdead_beef))
+        .ctx("post_send")?;
+    let r = expect_ok(&p.cqb, 1, Opcode::Recv)?;
+    ensure!(r.imm == Some(0xdead_beef), "immediate {:?}", r.imm);
+    ensure!(r.byte_len == 5, "length {}", r.byte_len);
+    expect_ok(&p.cqa, 2, Opcode::Send)?;
+    Ok(())
+}
+
+fn gather_scatter(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let a1 = region(&p.da, 16, Access::empty())?;
+    let a2 = region(&p.da, 16, Access::empty())?;
+    a1.buffer().write(0, b"0123456789");
+    a2.buffer().write(0, b"abcdefghij");
+    let d1 = region(&p.db, 16, Access::LOCAL_WRITE)?;
+    let d2 = region(&p.db, 64, Access::LOCAL_WRITE)?;
+    p.b.post_recv(&RecvWr::new(1, &[d1.slice(0..6).ctx("slice")?, d2.all()]))
+        .ctx("post_recv")?;
+    let sgl = [
+        a1.slice(0..4).ctx("s")?,
+        a2.slice(2..8).ctx("s")?,
+        a1.slice(8..10).ctx("s")?,
+    ];
+    p.a.post_send(&SendWr::send(2, &sgl)).ctx("post_send")?;
+    let r = expect_ok(&p.cqb, 1, Opcode::Recv)?;
+    ensure!(r.byte_len == 12, "length {}", r.byte_len);
+    let got = [d1.buffer().to_vec(0, 6), d2.buffer().to_vec(0, 6)].concat();
+    ensure!(
+        got == b"0123cdefgh89",
+        "scattered {:?}",
+        String::from_utf8_lossy(&got)
+    );
+    Ok(())
+}
+
+fn sge_over_max(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let max = p.da.info().caps.limits.max_sge as usize;
+    let src = region(&p.da, max + 1, Access::empty())?;
+    let sgl: Vec<_> = (0..=max)
+        .map(|i| src.slice(i..i + 1).expect("in range"))
+        .collect();
+    match p.a.post_send(&SendWr::send(1, &sgl)) {
+        Err(e) if e.kind() == ErrorKind::InvalidArgument => {}
+        other => {
+            return Err(format!(
+                "{} gather entries (max {max}) returned {other:?}",
+                max + 1
+            ))
+        }
+    }
+    // The endpoint is still usable.
+    let dst = region(&p.db, 64, Access::LOCAL_WRITE)?;
+    p.b.post_recv(&RecvWr::new(1, &[dst.all()]))
+        .ctx("post_recv")?;
+    p.a.post_send(&SendWr::send(2, &sgl[..max]))
+        .ctx("post_send at max")?;
+    let r = expect_ok(&p.cqb, 1, Opcode::Recv)?;
+    ensure!(r.byte_len == max as u64, "length {}", r.byte_len);
+    Ok(())
+}
+
+fn zero_byte(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let dst = region(&p.db, 16, Access::LOCAL_WRITE)?;
+    dst.buffer().fill(0, 16, 0x77);
+    p.b.post_recv(&RecvWr::new(1, &[dst.all()]))
+        .ctx("post_recv")?;
+    p.a.post_send(&SendWr::send(2, &[])).ctx("post_send")?;
+    let r = expect_ok(&p.cqb, 1, Opcode::Recv)?;
+    ensure!(r.byte_len == 0, "length {}", r.byte_len);
+    ensure!(
+        dst.buffer().to_vec(0, 16).iter().all(|&b| b == 0x77),
+        "zero-byte message changed the buffer"
+    );
+    expect_ok(&p.cqa, 2, Opcode::Send)?;
+    Ok(())
+}
+
+fn inline_free(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let src = region(&p.da, 64, Access::empty())?;
+    let dst = region(&p.db, 64, Access::LOCAL_WRITE)?;
+    src.buffer().fill(0, 64, b'x');
+    // No receive yet: the message cannot have left, so only a copy at post time saves it.
+    p.a.post_send(&SendWr::send(1, &[src.all()]).inline())
+        .ctx("post_send inline")?;
+    src.buffer().fill(0, 64, b'y');
+    drop(src);
+    p.b.post_recv(&RecvWr::new(2, &[dst.all()]))
+        .ctx("post_recv")?;
+    expect_ok(&p.cqb, 2, Opcode::Recv)?;
+    ensure!(
+        dst.buffer().to_vec(0, 64).iter().all(|&b| b == b'x'),
+        "inline payload was not copied at post time"
+    );
+    Ok(())
+}
+
+fn inline_over_max(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let max = p.da.info().caps.limits.max_inline as usize;
+    let src = region(&p.da, max + 1, Access::empty())?;
+    match p.a.post_send(&SendWr::send(1, &[src.all()]).inline()) {
+        Err(e) if e.kind() == ErrorKind::InvalidArgument => Ok(()),
+        other => Err(format!(
+            "inline of {} bytes (max {max}) returned {other:?}",
+            max + 1
+        )),
+    }
+}
+
+fn two_processes(ctx: &Ctx) -> CaseResultOf {
+    let peer = ctx.peer(&["--mode", "echo"])?;
+    let out = region(&peer.domain, 4096, Access::empty())?;
+    let back = region(&peer.domain, 4096, Access::LOCAL_WRITE)?;
+    for round in 0..5u8 {
+        let msg: Vec<u8> = b"echo:"
+            .iter()
+            .copied()
+            .chain((0..1000).map(|i| (i as u8) ^ round))
+            .collect();
+        out.buffer().write(0, &msg);
+        peer.ep
+            .post_recv(&RecvWr::new(10 + u64::from(round), &[back.all()]))
+            .ctx("post_recv")?;
+        peer.ep
+            .post_send(&SendWr::send(
+                u64::from(round),
+                &[out.slice(0..msg.len()).ctx("slice")?],
+            ))
+            .ctx("post_send")?;
+        expect_ok(&peer.cq, u64::from(round), Opcode::Send)?;
+        let r = expect_ok(&peer.cq, 10 + u64::from(round), Opcode::Recv)?;
+        ensure!(r.byte_len == 1000, "echo length {}", r.byte_len);
+        ensure!(
+            back.buffer().to_vec(0, 1000) == msg[5..],
+            "echo payload differs in round {round}"
+        );
+    }
+    out.buffer().write(0, b"quit");
+    peer.ep
+        .post_send(&SendWr::send(99, &[out.slice(0..4).ctx("slice")?]))
+        .ctx("post quit")?;
+    expect_ok(&peer.cq, 99, Opcode::Send)?;
+    let mut peer = peer;
+    let code = peer.wait_exit(Duration::from_secs(10))?;
+    ensure!(code == 0, "peer exited with {code}");
+    Ok(())
+}

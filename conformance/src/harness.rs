@@ -1,0 +1,379 @@
+//! Running cases: provider availability, the unsupported check, timeouts, and the helpers
+//! cases are written with.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::panic::AssertUnwindSafe;
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fabric::prelude::*;
+use fabric::{discover, Availability, ProviderInfo, Selector};
+
+use crate::report::CaseResult;
+
+/// Result of a case body: `Err` carries the failure message.
+pub type CaseResultOf = Result<(), String>;
+
+/// One case of the suite.
+#[derive(Debug, Clone, Copy)]
+pub struct Case {
+    /// Stable name (`section.what`).
+    pub name: &'static str,
+    /// Section of semantics.md.
+    pub section: &'static str,
+    /// Operations the case needs; when the provider's capabilities lack them the case
+    /// checks that posting returns Unsupported and reports `unsupported`.
+    pub needs: OpSet,
+    /// The body.
+    pub run: fn(&Ctx) -> CaseResultOf,
+}
+
+/// A case's outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The provider behaves as the contract says.
+    Pass,
+    /// It does not, or the case could not complete; the message says what went wrong.
+    Fail(String),
+    /// The provider declares the needed operation unsupported, and posting it said so.
+    Unsupported(String),
+    /// The provider could not run here (no device, not built), with the reason.
+    NoDevice(String),
+}
+
+impl Outcome {
+    /// The report name of the outcome.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Outcome::Pass => "pass",
+            Outcome::Fail(_) => "fail",
+            Outcome::Unsupported(_) => "unsupported",
+            Outcome::NoDevice(_) => "no-device",
+        }
+    }
+}
+
+/// What a case runs against.
+#[derive(Debug, Clone)]
+pub struct Ctx {
+    /// Provider name.
+    pub provider: String,
+    /// The `fabric` executable used to start peer processes.
+    pub peer_exe: Option<PathBuf>,
+    /// Address to listen on (`FABRIC_CONFORMANCE_ADDR`, default 127.0.0.1).
+    pub bind: IpAddr,
+    /// How long any single wait may take before the case fails.
+    pub timeout: Duration,
+}
+
+/// Per-case time limit.
+pub const CASE_LIMIT: Duration = Duration::from_secs(90);
+
+impl Ctx {
+    /// A context for `provider`.
+    pub fn new(provider: &str, peer_exe: Option<PathBuf>) -> Self {
+        let bind = std::env::var("FABRIC_CONFORMANCE_ADDR")
+            .ok()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        Ctx {
+            provider: provider.to_string(),
+            peer_exe,
+            bind,
+            timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// The provider's discovery entry.
+    pub fn info(&self) -> ProviderInfo {
+        discover()
+            .into_iter()
+            .find(|p| p.name == self.provider)
+            .expect("known provider")
+    }
+
+    /// A fresh domain on the provider.
+    pub fn domain(&self) -> Result<AnyDomain, String> {
+        Selector::new()
+            .providers(&self.provider)
+            .and_then(|s| s.open())
+            .map(|(d, _)| d)
+            .map_err(|e| format!("opening a {} domain: {e}", self.provider))
+    }
+
+    /// Address with port 0 for listening.
+    pub fn any_port(&self) -> SocketAddr {
+        SocketAddr::new(self.bind, 0)
+    }
+
+    /// Two endpoints connected to each other, each in its own domain, with default options.
+    pub fn pair(&self) -> Result<Pair, String> {
+        self.pair_with(PairOpts::default())
+    }
+
+    /// Two connected endpoints with `opts`.
+    pub fn pair_with(&self, opts: PairOpts) -> Result<Pair, String> {
+        let da = self.domain()?;
+        let db = self.domain()?;
+        let cqa = da
+            .create_cq(opts.cq_capacity)
+            .map_err(|e| format!("create_cq: {e}"))?;
+        let cqb = db
+            .create_cq(opts.cq_capacity)
+            .map_err(|e| format!("create_cq: {e}"))?;
+        let listener = db
+            .listen(self.any_port())
+            .map_err(|e| format!("listen: {e}"))?;
+        let addr = listener.local_addr();
+        let mut cfg_a = EndpointConfig::new(&cqa);
+        cfg_a.sq_depth = opts.sq_depth;
+        cfg_a.rq_depth = opts.rq_depth;
+        cfg_a.private_data = &opts.private_a;
+        let mut cfg_b = EndpointConfig::new(&cqb);
+        cfg_b.sq_depth = opts.sq_depth;
+        cfg_b.rq_depth = opts.rq_depth;
+        cfg_b.private_data = &opts.private_b;
+        let (a, b) = std::thread::scope(|s| {
+            let ha = s.spawn(|| da.connect(addr, &cfg_a));
+            let b = listener.accept(&cfg_b, self.timeout);
+            (ha.join().expect("connect thread"), b)
+        });
+        let a = a.map_err(|e| format!("connect: {e}"))?;
+        let b = b.map_err(|e| format!("accept: {e}"))?;
+        Ok(Pair {
+            da,
+            db,
+            cqa,
+            cqb,
+            a,
+            b,
+        })
+    }
+
+    /// Starts a peer process (see [`crate::peer`]) and connects to it.
+    pub fn peer(&self, args: &[&str]) -> Result<crate::peer::PeerProcess, String> {
+        crate::peer::PeerProcess::start(self, args)
+    }
+}
+
+/// Options of [`Ctx::pair_with`].
+#[derive(Debug, Clone)]
+pub struct PairOpts {
+    /// Send queue depth.
+    pub sq_depth: u32,
+    /// Receive queue depth.
+    pub rq_depth: u32,
+    /// Completion queue capacity (each side).
+    pub cq_capacity: usize,
+    /// Private data from the connecting side.
+    pub private_a: Vec<u8>,
+    /// Private data from the accepting side.
+    pub private_b: Vec<u8>,
+}
+
+impl Default for PairOpts {
+    fn default() -> Self {
+        PairOpts {
+            sq_depth: 128,
+            rq_depth: 128,
+            cq_capacity: 512,
+            private_a: Vec::new(),
+            private_b: Vec::new(),
+        }
+    }
+}
+
+/// Two connected endpoints: `a` connected, `b` accepted.
+#[derive(Debug)]
+pub struct Pair {
+    /// Domain of `a`.
+    pub da: AnyDomain,
+    /// Domain of `b`.
+    pub db: AnyDomain,
+    /// Completion queue of `a` (send and receive).
+    pub cqa: AnyCq,
+    /// Completion queue of `b`.
+    pub cqb: AnyCq,
+    /// The connecting endpoint.
+    pub a: AnyEndpoint,
+    /// The accepting endpoint.
+    pub b: AnyEndpoint,
+}
+
+/// Registers `len` bytes with `access` in `d`.
+pub fn region(d: &AnyDomain, len: usize, access: Access) -> Result<MemoryRegion, String> {
+    d.register(Arc::new(Buffer::new(len)), access)
+        .map_err(|e| format!("register {len} bytes {access:?}: {e}"))
+}
+
+/// All access rights.
+pub fn all_access() -> Access {
+    Access::all()
+}
+
+/// Waits up to `timeout` for the next completion.
+pub fn next(cq: &AnyCq, timeout: Duration) -> Result<Completion, String> {
+    let deadline = Instant::now() + timeout;
+    let mut out = Vec::with_capacity(1);
+    loop {
+        if cq.poll(&mut out, 1).map_err(|e| format!("poll: {e}"))? == 1 {
+            return Ok(out.pop().expect("one"));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!("no completion within {timeout:?}"));
+        }
+        cq.wait(left).map_err(|e| format!("wait: {e}"))?;
+    }
+}
+
+/// Waits for a completion and checks its context, opcode and success.
+pub fn expect_ok(cq: &AnyCq, context: u64, opcode: Opcode) -> Result<Completion, String> {
+    let c = next(cq, Duration::from_secs(10))?;
+    if c.context != context || c.opcode != opcode || c.status != Status::Success {
+        return Err(format!(
+            "expected {opcode:?} success for context {context}, got {c:?}"
+        ));
+    }
+    Ok(c)
+}
+
+/// Waits for a completion and checks its context and error status.
+pub fn expect_err(cq: &AnyCq, context: u64, kind: ErrorKind) -> Result<Completion, String> {
+    let c = next(cq, Duration::from_secs(10))?;
+    if c.context != context || c.status != Status::Error(kind) {
+        return Err(format!("expected {kind} for context {context}, got {c:?}"));
+    }
+    Ok(c)
+}
+
+/// Checks that no completion arrives within `dur`.
+pub fn expect_none(cq: &AnyCq, dur: Duration) -> CaseResultOf {
+    let mut out = Vec::new();
+    cq.wait(dur).map_err(|e| format!("wait: {e}"))?;
+    if cq.poll(&mut out, 16).map_err(|e| format!("poll: {e}"))? > 0 {
+        return Err(format!("unexpected completion(s): {out:?}"));
+    }
+    Ok(())
+}
+
+/// Waits until `ep` reaches `state`.
+pub fn wait_state(ep: &AnyEndpoint, state: EndpointState, timeout: Duration) -> CaseResultOf {
+    let deadline = Instant::now() + timeout;
+    while ep.state() != state {
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "endpoint is {:?}, expected {state:?} within {timeout:?}",
+                ep.state()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(())
+}
+
+/// Fails the case with a formatted message unless the condition holds.
+#[macro_export]
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err(format!($($fmt)+));
+        }
+    };
+}
+
+/// Unwraps a fabric result, failing the case with the context.
+pub trait Ctxt<T> {
+    /// Maps the error into a case failure naming `what`.
+    fn ctx(self, what: &str) -> Result<T, String>;
+}
+
+impl<T> Ctxt<T> for fabric::Result<T> {
+    fn ctx(self, what: &str) -> Result<T, String> {
+        self.map_err(|e| format!("{what}: {e}"))
+    }
+}
+
+/// Posts the operation a case needs on a fresh pair and checks it is refused Unsupported.
+fn check_unsupported(ctx: &Ctx, needs: OpSet) -> Outcome {
+    let run = || -> Result<String, String> {
+        let p = ctx.pair()?;
+        let mr = region(&p.da, 64, all_access())?;
+        let remote = region(&p.db, 64, all_access())?;
+        let sgl = [mr.slice(0..8).ctx("slice")?];
+        let at = remote.desc().at(0);
+        let wr = if needs.intersects(OpSet::ATOMICS) {
+            SendWr::fetch_add(1, sgl[0], at, 1)
+        } else if needs.contains(OpSet::WRITE_IMM) {
+            SendWr::write(1, &sgl, at).with_imm(7)
+        } else if needs.contains(OpSet::SEND_IMM) {
+            SendWr::send(1, &sgl).with_imm(7)
+        } else if needs.contains(OpSet::READ) {
+            SendWr::read(1, &sgl, at)
+        } else if needs.contains(OpSet::WRITE) {
+            SendWr::write(1, &sgl, at)
+        } else {
+            SendWr::send(1, &sgl)
+        };
+        match p.a.post_send(&wr) {
+            Err(e) if e.kind() == ErrorKind::Unsupported => Ok(e.to_string()),
+            other => Err(format!(
+                "capabilities declare {needs:?} unsupported, but posting it returned {other:?}"
+            )),
+        }
+    };
+    let declared = ctx.info().caps.why_unsupported(needs).unwrap_or_default();
+    match run() {
+        Ok(posted) => Outcome::Unsupported(format!("{declared}; post returned {posted}")),
+        Err(e) => Outcome::Fail(e),
+    }
+}
+
+/// Runs one case against `ctx.provider`, never letting a hang or panic escape.
+pub fn run_case(ctx: &Ctx, case: &Case) -> CaseResult {
+    let start = Instant::now();
+    let info = ctx.info();
+    let outcome = if let Availability::Unavailable { reason } = &info.availability {
+        Outcome::NoDevice(reason.clone())
+    } else if !info.caps.ops.contains(case.needs) {
+        check_unsupported(ctx, case.needs)
+    } else {
+        let (tx, rx) = mpsc::channel();
+        let c2 = ctx.clone();
+        let body = case.run;
+        std::thread::Builder::new()
+            .name(format!("case {}", case.name))
+            .spawn(move || {
+                let r = std::panic::catch_unwind(AssertUnwindSafe(|| body(&c2)));
+                let _ = tx.send(r);
+            })
+            .expect("spawn case thread");
+        match rx.recv_timeout(CASE_LIMIT) {
+            Ok(Ok(Ok(()))) => Outcome::Pass,
+            Ok(Ok(Err(msg))) => Outcome::Fail(msg),
+            Ok(Err(panic)) => Outcome::Fail(format!(
+                "panicked: {}",
+                panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default()
+            )),
+            Err(_) => Outcome::Fail(format!("did not finish within {CASE_LIMIT:?} (hang)")),
+        }
+    };
+    let detail = match &outcome {
+        Outcome::Pass => String::new(),
+        Outcome::Fail(m) | Outcome::Unsupported(m) | Outcome::NoDevice(m) => m.clone(),
+    };
+    CaseResult {
+        name: case.name.to_string(),
+        section: case.section.to_string(),
+        provider: ctx.provider.clone(),
+        outcome: outcome.as_str().to_string(),
+        detail,
+        seconds: start.elapsed().as_secs_f64(),
+    }
+}

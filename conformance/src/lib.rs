@@ -1,0 +1,47 @@
+//! The conformance suite: semantics.md sections 2 to 8 as test cases, written once and
+//! instantiated per provider.
+//!
+//! Every case runs against a provider chosen by name through the same run-time selection
+//! applications use. Outcomes are [`Outcome::Pass`], [`Outcome::Fail`],
+//! [`Outcome::Unsupported`] (only where the provider's capabilities declare the operation
+//! unsupported, and only after the suite checked that posting it returns `Unsupported`) and
+//! [`Outcome::NoDevice`] (the provider could not run here, with the reason). A provider that
+//! could not run never passes.
+//!
+//! Cases marked multi-process start their peer as a separate process: the `fabric` binary's
+//! hidden `peer` subcommand, which runs [`peer::main`].
+#![forbid(unsafe_code)]
+
+mod cases;
+pub mod harness;
+pub mod peer;
+pub mod report;
+
+pub use cases::all_cases;
+pub use harness::{Case, Ctx, Outcome};
+pub use report::{CaseResult, Report};
+
+/// Runs `cases` (all when empty filter) against each provider.
+pub fn run(
+    providers: &[String],
+    filter: Option<&str>,
+    peer_exe: Option<std::path::PathBuf>,
+    mut progress: impl FnMut(&CaseResult),
+) -> Report {
+    let mut results = Vec::new();
+    for p in providers {
+        let ctx = Ctx::new(p, peer_exe.clone());
+        for case in all_cases() {
+            if filter.is_some_and(|f| !case.name.contains(f)) {
+                continue;
+            }
+            let r = harness::run_case(&ctx, &case);
+            progress(&r);
+            results.push(r);
+        }
+    }
+    Report {
+        providers: providers.to_vec(),
+        cases: results,
+    }
+}

@@ -1,0 +1,249 @@
+//! The other end of multi-process cases: a separate process started from the `fabric`
+//! binary (`fabric peer ...`), and the handle the case holds on it.
+//!
+//! The peer listens, prints `LISTEN <addr>` on stdout, accepts one connection, registers a
+//! 1 MiB region with every remote access right (byte `i` holds `pattern(i)`), sends its
+//! remote descriptor as the first message, then either
+//! * `--mode echo`: answers every message `echo:<bytes>` with `<bytes>`, exits on `quit`;
+//! * `--mode idle`: never touches its completion queue again (one-sided operations must
+//!   complete without it) and exits when its stdin closes.
+//!
+//! `--recv N` sets how many receives it keeps posted (0: none, so sends to it wait).
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use fabric::prelude::*;
+use fabric::Selector;
+
+use crate::harness::{next, region, Ctx};
+
+/// Size of the peer's exposed region.
+pub const PEER_REGION: usize = 1 << 20;
+
+/// The byte the peer's region holds at `i` before anyone writes.
+pub fn pattern(i: usize) -> u8 {
+    (i.wrapping_mul(7).wrapping_add(3) % 251) as u8
+}
+
+/// A running peer process and our connection to it.
+#[derive(Debug)]
+pub struct PeerProcess {
+    child: Child,
+    /// Our domain.
+    pub domain: AnyDomain,
+    /// Our completion queue.
+    pub cq: AnyCq,
+    /// Our endpoint, connected to the peer.
+    pub ep: AnyEndpoint,
+    /// The peer's region.
+    pub desc: RemoteDesc,
+    /// Process id of the peer.
+    pub pid: u32,
+}
+
+impl PeerProcess {
+    /// Starts `fabric peer` with `args` and connects to it.
+    pub fn start(ctx: &Ctx, args: &[&str]) -> Result<Self, String> {
+        let exe = ctx
+            .peer_exe
+            .clone()
+            .or_else(|| std::env::var_os("FABRIC_PEER_EXE").map(Into::into))
+            .ok_or("multi-process case needs the fabric executable (FABRIC_PEER_EXE) to start its peer")?;
+        let mut child = Command::new(&exe)
+            .arg("peer")
+            .args(["--provider", &ctx.provider, "--bind", &ctx.bind.to_string()])
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("starting peer {}: {e}", exe.display()))?;
+        let pid = child.id();
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let line = rx.recv_timeout(ctx.timeout).map_err(|_| {
+            let _ = child.kill();
+            "peer did not report its address".to_string()
+        })?;
+        let addr: SocketAddr = line
+            .strip_prefix("LISTEN ")
+            .and_then(|a| a.parse().ok())
+            .ok_or_else(|| format!("peer said {line:?}, expected LISTEN <addr>"))?;
+        let connect = || -> Result<(AnyDomain, AnyCq, AnyEndpoint, RemoteDesc), String> {
+            let domain = ctx.domain()?;
+            let cq = domain.create_cq(256).map_err(|e| e.to_string())?;
+            let ep = domain
+                .connect(addr, &EndpointConfig::new(&cq))
+                .map_err(|e| format!("connect to peer: {e}"))?;
+            let mr = region(&domain, 64, Access::LOCAL_WRITE)?;
+            ep.post_recv(&RecvWr::new(0, &[mr.all()]))
+                .map_err(|e| e.to_string())?;
+            let c = next(&cq, ctx.timeout)?;
+            if !c.is_ok() {
+                return Err(format!("receiving the peer's descriptor: {c:?}"));
+            }
+            let desc = RemoteDesc::from_bytes(&mr.buffer().to_vec(0, c.byte_len as usize))
+                .map_err(|e| e.to_string())?;
+            Ok((domain, cq, ep, desc))
+        };
+        match connect() {
+            Ok((domain, cq, ep, desc)) => Ok(PeerProcess {
+                child,
+                domain,
+                cq,
+                ep,
+                desc,
+                pid,
+            }),
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(e)
+            }
+        }
+    }
+
+    /// Kills the peer with SIGKILL.
+    pub fn kill(&mut self) -> Result<(), String> {
+        self.child.kill().map_err(|e| format!("kill peer: {e}"))?;
+        self.child.wait().map_err(|e| format!("reap peer: {e}"))?;
+        Ok(())
+    }
+
+    /// Waits for the peer to exit and returns its exit code.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Result<i32, String> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.try_wait().map_err(|e| e.to_string())? {
+                return Ok(s.code().unwrap_or(-1));
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(format!("peer did not exit within {timeout:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Closes the peer's stdin (an idle peer exits).
+    pub fn close_stdin(&mut self) {
+        drop(self.child.stdin.take());
+    }
+}
+
+impl Drop for PeerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn arg<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
+}
+
+/// The peer process: `fabric peer --provider P [--bind ADDR] [--mode echo|idle] [--recv N]`.
+/// Returns the exit code.
+pub fn main(args: &[String]) -> i32 {
+    match serve(args) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("fabric peer: {e}");
+            1
+        }
+    }
+}
+
+fn serve(args: &[String]) -> Result<(), String> {
+    let provider = arg(args, "--provider").ok_or("--provider is required")?;
+    let bind = arg(args, "--bind").unwrap_or("127.0.0.1");
+    let mode = arg(args, "--mode").unwrap_or("echo");
+    let recvs: usize = arg(args, "--recv")
+        .unwrap_or("16")
+        .parse()
+        .map_err(|e| format!("--recv: {e}"))?;
+    if !matches!(mode, "echo" | "idle") {
+        return Err(format!("unknown --mode {mode:?} (echo, idle)"));
+    }
+    let (domain, _) = Selector::new()
+        .providers(provider)
+        .and_then(|s| s.open())
+        .map_err(|e| e.to_string())?;
+    let cq = domain.create_cq(1024).map_err(|e| e.to_string())?;
+    let listener = domain
+        .listen(SocketAddr::new(
+            bind.parse().map_err(|e| format!("--bind: {e}"))?,
+            0,
+        ))
+        .map_err(|e| e.to_string())?;
+    println!("LISTEN {}", listener.local_addr());
+    let ep = listener
+        .accept(&EndpointConfig::new(&cq), Duration::from_secs(30))
+        .map_err(|e| e.to_string())?;
+    let exposed = region(&domain, PEER_REGION, Access::all())?;
+    for i in 0..PEER_REGION {
+        exposed.buffer().write(i, &[pattern(i)]);
+    }
+    let msgs = region(&domain, 4096 * recvs.max(1), Access::LOCAL_WRITE)?;
+    for i in 0..recvs {
+        ep.post_recv(&RecvWr::new(
+            i as u64,
+            &[msgs
+                .slice(i * 4096..(i + 1) * 4096)
+                .map_err(|e| e.to_string())?],
+        ))
+        .map_err(|e| e.to_string())?;
+    }
+    let desc = region(&domain, RemoteDesc::ENCODED_LEN, Access::LOCAL_WRITE)?;
+    desc.buffer().write(0, &exposed.desc().to_bytes());
+    ep.post_send(&SendWr::send(u64::MAX, &[desc.all()]))
+        .map_err(|e| e.to_string())?;
+    if mode == "idle" {
+        let mut sink = Vec::new();
+        let _ = std::io::stdin().read_to_end(&mut sink);
+        return Ok(());
+    }
+    let reply = region(&domain, 4096, Access::LOCAL_WRITE)?;
+    loop {
+        let c = next(&cq, Duration::from_secs(120))?;
+        if c.context == u64::MAX || c.opcode == Opcode::Send {
+            continue;
+        }
+        if !c.is_ok() {
+            return Err(format!("peer saw {c:?}"));
+        }
+        let i = c.context as usize;
+        let msg = msgs.buffer().to_vec(i * 4096, c.byte_len as usize);
+        if msg == b"quit" {
+            return Ok(());
+        }
+        if let Some(body) = msg.strip_prefix(b"echo:") {
+            reply.buffer().write(0, body);
+            ep.post_send(&SendWr::send(
+                u64::MAX - 1,
+                &[reply.slice(0..body.len()).map_err(|e| e.to_string())?],
+            ))
+            .map_err(|e| e.to_string())?;
+        }
+        ep.post_recv(&RecvWr::new(
+            i as u64,
+            &[msgs
+                .slice(i * 4096..(i + 1) * 4096)
+                .map_err(|e| e.to_string())?],
+        ))
+        .map_err(|e| e.to_string())?;
+    }
+}

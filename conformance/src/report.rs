@@ -1,0 +1,152 @@
+//! Reports: a text matrix (case x provider), JSON, JUnit XML.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use serde::Serialize;
+
+/// One case on one provider.
+#[derive(Debug, Clone, Serialize)]
+pub struct CaseResult {
+    /// Case name.
+    pub name: String,
+    /// Section of semantics.md.
+    pub section: String,
+    /// Provider.
+    pub provider: String,
+    /// `pass`, `fail`, `unsupported` or `no-device`.
+    pub outcome: String,
+    /// Why (failure message, unsupported reason, missing device), or what was checked.
+    pub detail: String,
+    /// Seconds taken.
+    #[serde(skip)]
+    pub seconds: f64,
+}
+
+/// The whole run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Providers, in the order run.
+    pub providers: Vec<String>,
+    /// Every result.
+    pub cases: Vec<CaseResult>,
+}
+
+impl Report {
+    /// True when any case failed.
+    pub fn any_fail(&self) -> bool {
+        self.cases.iter().any(|c| c.outcome == "fail")
+    }
+
+    /// Counts per outcome.
+    pub fn counts(&self) -> BTreeMap<String, usize> {
+        let mut m = BTreeMap::new();
+        for c in &self.cases {
+            *m.entry(c.outcome.clone()).or_insert(0) += 1;
+        }
+        m
+    }
+
+    /// JSON: `{"providers": [...], "cases": [{"name","section","provider","outcome","detail"}]}`.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("report serialises")
+    }
+
+    /// A case x provider matrix, then the details of everything that did not pass.
+    pub fn to_text(&self) -> String {
+        let mut rows: Vec<(String, String)> = Vec::new();
+        for c in &self.cases {
+            if !rows.iter().any(|(n, _)| *n == c.name) {
+                rows.push((c.name.clone(), c.section.clone()));
+            }
+        }
+        let w = rows.iter().map(|(n, _)| n.len()).max().unwrap_or(4).max(4);
+        let mut out = String::new();
+        let _ = write!(out, "{:<w$}  {:<4}", "case", "sec");
+        for p in &self.providers {
+            let _ = write!(out, "  {p:<11}");
+        }
+        out.push('\n');
+        for (name, section) in &rows {
+            let _ = write!(out, "{name:<w$}  {section:<4}");
+            for p in &self.providers {
+                let o = self
+                    .cases
+                    .iter()
+                    .find(|c| &c.name == name && &c.provider == p)
+                    .map_or("-", |c| c.outcome.as_str());
+                let _ = write!(out, "  {o:<11}");
+            }
+            out.push('\n');
+        }
+        out.push('\n');
+        for p in &self.providers {
+            let mut counts = BTreeMap::new();
+            for c in self.cases.iter().filter(|c| &c.provider == p) {
+                *counts.entry(c.outcome.as_str()).or_insert(0) += 1;
+            }
+            let summary: Vec<String> = counts.iter().map(|(k, v)| format!("{v} {k}")).collect();
+            let _ = writeln!(out, "{p}: {}", summary.join(", "));
+        }
+        let notes: Vec<&CaseResult> = self.cases.iter().filter(|c| c.outcome != "pass").collect();
+        if !notes.is_empty() {
+            out.push('\n');
+            for c in notes {
+                let _ = writeln!(
+                    out,
+                    "{} [{}] {}: {}",
+                    c.outcome, c.provider, c.name, c.detail
+                );
+            }
+        }
+        out
+    }
+
+    /// JUnit XML, one test suite per provider.
+    pub fn to_junit(&self) -> String {
+        let esc = |s: &str| {
+            s.replace('&', "&amp;")
+                .replace('<', "&lt;")
+                .replace('>', "&gt;")
+                .replace('"', "&quot;")
+        };
+        let mut out = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<testsuites name=\"fabric-conformance\">\n");
+        for p in &self.providers {
+            let cases: Vec<&CaseResult> = self.cases.iter().filter(|c| &c.provider == p).collect();
+            let failures = cases.iter().filter(|c| c.outcome == "fail").count();
+            let skipped = cases
+                .iter()
+                .filter(|c| c.outcome != "pass" && c.outcome != "fail")
+                .count();
+            let _ = writeln!(out, "  <testsuite name=\"{}\" tests=\"{}\" failures=\"{failures}\" skipped=\"{skipped}\">", esc(p), cases.len());
+            for c in cases {
+                let _ = write!(
+                    out,
+                    "    <testcase classname=\"{}.{}\" name=\"{}\" time=\"{:.3}\"",
+                    esc(p),
+                    esc(&c.section),
+                    esc(&c.name),
+                    c.seconds
+                );
+                match c.outcome.as_str() {
+                    "pass" => out.push_str("/>\n"),
+                    "fail" => {
+                        let _ =
+                            writeln!(out, "><failure message=\"{}\"/></testcase>", esc(&c.detail));
+                    }
+                    other => {
+                        let _ = writeln!(
+                            out,
+                            "><skipped message=\"{}: {}\"/></testcase>",
+                            other,
+                            esc(&c.detail)
+                        );
+                    }
+                }
+            }
+            out.push_str("  </testsuite>\n");
+        }
+        out.push_str("</testsuites>\n");
+        out
+    }
+}

@@ -1,0 +1,460 @@
+//! Discovery and selection (semantics.md section 1): which providers exist, which are
+//! usable, and which one a configuration picks.
+//!
+//! Selection sources, later ones overriding earlier ones: the builder's defaults, a TOML
+//! config file (`FABRIC_CONFIG`), the `FABRIC_PROVIDER` environment variable. A provider
+//! spec is a comma list such as `roce,tcp` (only these, in this order of preference) or
+//! `^ib,^roce` (anything but these); with no spec the best available provider wins in
+//! the order ib, roce, iwarp, tcp.
+//!
+//! ```toml
+//! provider = "roce,tcp"              # same syntax as FABRIC_PROVIDER
+//! require = ["FETCH_ADD", "READ"]    # OpSet flag names the provider must support
+//! strict = false                     # true: an operation required but only emulated is an error
+//!
+//! [tcp]
+//! crc = false                        # ask for MPA CRC32c
+//! extensions = true                  # announce atomics / immediate data / acks to our peers
+//! max_segment = 65472                # payload bytes per FPDU
+//! ```
+
+use std::fmt;
+use std::path::Path;
+
+use fabric_api::{
+    Availability, Capabilities, Error, ErrorKind, Limits, OpSet, ProviderInfo, Result,
+};
+use fabric_tcp::{TcpDomain, TcpOptions};
+use serde::Deserialize;
+
+use crate::AnyDomain;
+
+/// Every provider name, in order of preference.
+pub const PROVIDER_NAMES: [&str; 4] = ["ib", "roce", "iwarp", "tcp"];
+
+/// Environment variable holding a provider spec.
+pub const ENV_PROVIDER: &str = "FABRIC_PROVIDER";
+/// Environment variable naming a TOML config file.
+pub const ENV_CONFIG: &str = "FABRIC_CONFIG";
+
+fn not_built(name: &str) -> ProviderInfo {
+    ProviderInfo {
+        name: name.into(),
+        availability: Availability::Unavailable {
+            reason: "not compiled into this build: the verbs providers (ib, roce, iwarp over rdma-core) are not part of it yet".into(),
+        },
+        devices: Vec::new(),
+        caps: Capabilities {
+            ops: OpSet::empty(),
+            limits: Limits {
+                max_msg_size: 0,
+                max_inline: 0,
+                max_sge: 0,
+                max_send_queue: 0,
+                max_recv_queue: 0,
+                max_cq_entries: 0,
+                max_outstanding_reads: 0,
+                max_private_data: 0,
+            },
+            imm_size: 0,
+            emulated: Vec::new(),
+            unsupported: Default::default(),
+        },
+    }
+}
+
+/// Every provider this framework knows, with availability, devices and capabilities.
+pub fn discover() -> Vec<ProviderInfo> {
+    PROVIDER_NAMES
+        .iter()
+        .map(|&name| match name {
+            fabric_tcp::NAME => fabric_tcp::info(),
+            other => not_built(other),
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Spec {
+    /// No preference: every provider in the default order.
+    Any,
+    /// Only these, in this order.
+    Only(Vec<String>),
+    /// Everything but these.
+    Except(Vec<String>),
+}
+
+fn parse_spec(spec: &str) -> Result<Spec> {
+    let mut only = Vec::new();
+    let mut except = Vec::new();
+    for raw in spec.split(',') {
+        let item = raw.trim();
+        if item.is_empty() {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!("empty provider name in {spec:?}"),
+            ));
+        }
+        let (neg, name) = match item.strip_prefix('^') {
+            Some(n) => (true, n.trim()),
+            None => (false, item),
+        };
+        if !PROVIDER_NAMES.contains(&name) {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "unknown provider {name:?} in {spec:?}; valid names: {}",
+                    PROVIDER_NAMES.join(", ")
+                ),
+            ));
+        }
+        if neg { &mut except } else { &mut only }.push(name.to_string());
+    }
+    match (only.is_empty(), except.is_empty()) {
+        (false, true) => Ok(Spec::Only(only)),
+        (true, false) => Ok(Spec::Except(except)),
+        (false, false) => Ok(Spec::Only(
+            only.into_iter().filter(|n| !except.contains(n)).collect(),
+        )),
+        (true, true) => Ok(Spec::Any),
+    }
+}
+
+fn parse_ops(names: &[String]) -> Result<OpSet> {
+    let mut ops = OpSet::empty();
+    for n in names {
+        ops |= OpSet::from_name(n).ok_or_else(|| {
+            let valid: Vec<_> = OpSet::all().iter_names().map(|(n, _)| n).collect();
+            Error::new(
+                ErrorKind::Config,
+                format!("unknown operation {n:?}; valid: {}", valid.join(", ")),
+            )
+        })?;
+    }
+    Ok(ops)
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    provider: Option<String>,
+    #[serde(default)]
+    require: Vec<String>,
+    strict: Option<bool>,
+    tcp: Option<TcpSection>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TcpSection {
+    crc: Option<bool>,
+    extensions: Option<bool>,
+    max_segment: Option<usize>,
+}
+
+/// Chooses a provider from configuration and opens a domain on it.
+#[derive(Debug, Clone)]
+pub struct Selector {
+    spec: Spec,
+    require: OpSet,
+    strict: bool,
+    tcp: TcpOptions,
+    sources: Vec<String>,
+}
+
+impl Default for Selector {
+    fn default() -> Self {
+        Selector {
+            spec: Spec::Any,
+            require: OpSet::empty(),
+            strict: false,
+            tcp: TcpOptions::default(),
+            sources: Vec::new(),
+        }
+    }
+}
+
+impl Selector {
+    /// No preference, nothing required.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The config file named by `FABRIC_CONFIG` (if set), then `FABRIC_PROVIDER` (if set).
+    pub fn from_env() -> Result<Self> {
+        let mut s = Selector::new();
+        if let Some(path) = std::env::var_os(ENV_CONFIG) {
+            s = s.config_file(Path::new(&path))?;
+        }
+        if let Ok(spec) = std::env::var(ENV_PROVIDER) {
+            s = s.providers(&spec).map_err(|e| {
+                Error::new(
+                    ErrorKind::Config,
+                    format!("{ENV_PROVIDER}: {}", e.message()),
+                )
+            })?;
+            s.sources.push(format!("{ENV_PROVIDER}={spec}"));
+        }
+        Ok(s)
+    }
+
+    /// Applies a TOML config file (see the module docs).
+    pub fn config_file(mut self, path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            Error::new(
+                ErrorKind::Config,
+                format!("cannot read config file {}: {e}", path.display()),
+            )
+        })?;
+        self = self.config_str(&text).map_err(|e| {
+            Error::new(
+                ErrorKind::Config,
+                format!("config file {}: {}", path.display(), e.message()),
+            )
+        })?;
+        self.sources.push(format!("config file {}", path.display()));
+        Ok(self)
+    }
+
+    /// Applies TOML config text.
+    pub fn config_str(mut self, text: &str) -> Result<Self> {
+        let cfg: FileConfig =
+            toml::from_str(text).map_err(|e| Error::new(ErrorKind::Config, e.to_string()))?;
+        if let Some(p) = &cfg.provider {
+            self.spec = parse_spec(p)?;
+        }
+        self.require |= parse_ops(&cfg.require)?;
+        if let Some(s) = cfg.strict {
+            self.strict = s;
+        }
+        if let Some(t) = cfg.tcp {
+            if let Some(v) = t.crc {
+                self.tcp.crc = v;
+            }
+            if let Some(v) = t.extensions {
+                self.tcp.extensions = v;
+            }
+            if let Some(v) = t.max_segment {
+                self.tcp.max_segment = v;
+            }
+        }
+        Ok(self)
+    }
+
+    /// Sets the provider spec (`"roce,tcp"`, `"^ib"`); unknown names are an error listing
+    /// the valid ones.
+    pub fn providers(mut self, spec: &str) -> Result<Self> {
+        self.spec = parse_spec(spec)?;
+        Ok(self)
+    }
+
+    /// Operations the provider must support.
+    pub fn require(mut self, ops: OpSet) -> Self {
+        self.require |= ops;
+        self
+    }
+
+    /// Strict mode: a required operation that is only emulated disqualifies a provider.
+    pub fn strict(mut self, strict: bool) -> Self {
+        self.strict = strict;
+        self
+    }
+
+    /// Options of the tcp provider.
+    pub fn tcp_options(mut self, opts: TcpOptions) -> Self {
+        self.tcp = opts;
+        self
+    }
+
+    /// The candidate provider names, in order of preference.
+    pub fn candidates(&self) -> Vec<String> {
+        match &self.spec {
+            Spec::Any => PROVIDER_NAMES.iter().map(|s| s.to_string()).collect(),
+            Spec::Only(v) => v.clone(),
+            Spec::Except(v) => PROVIDER_NAMES
+                .iter()
+                .filter(|n| !v.iter().any(|x| x == *n))
+                .map(|s| s.to_string())
+                .collect(),
+        }
+    }
+
+    fn disqualify(&self, info: &ProviderInfo) -> Option<String> {
+        if let Availability::Unavailable { reason } = &info.availability {
+            return Some(reason.clone());
+        }
+        let missing = self.require - info.caps.ops;
+        if !missing.is_empty() {
+            return Some(format!("does not support required {missing:?}"));
+        }
+        if self.strict {
+            let emulated: OpSet = info
+                .caps
+                .emulated
+                .iter()
+                .fold(OpSet::empty(), |a, e| a | e.ops);
+            let only_emulated = self.require & emulated;
+            if !only_emulated.is_empty() {
+                return Some(format!(
+                    "strict mode: required {only_emulated:?} only emulated"
+                ));
+            }
+        }
+        None
+    }
+
+    /// Picks the first qualifying provider and opens a domain on it.
+    pub fn open(&self) -> Result<(AnyDomain, SelectionReport)> {
+        let all = discover();
+        let mut rejected = Vec::new();
+        for name in self.candidates() {
+            let info = all
+                .iter()
+                .find(|p| p.name == name)
+                .expect("candidates are known names");
+            if let Some(why) = self.disqualify(info) {
+                rejected.push((name, why));
+                continue;
+            }
+            let domain: AnyDomain = match name.as_str() {
+                fabric_tcp::NAME => TcpDomain::open(self.tcp.clone())?.into(),
+                other => unreachable!("provider {other} is available but not openable"),
+            };
+            let report = SelectionReport {
+                provider: name,
+                device: info
+                    .devices
+                    .first()
+                    .map(|d| d.name.clone())
+                    .unwrap_or_default(),
+                emulated: info
+                    .caps
+                    .emulated
+                    .iter()
+                    .map(|e| format!("{}: {}", e.feature, e.how))
+                    .collect(),
+                rejected,
+                sources: self.sources.clone(),
+            };
+            tracing::info!(provider = %report.provider, device = %report.device, emulated = ?report.emulated, rejected = ?report.rejected, "fabric provider selected");
+            return Ok((domain, report));
+        }
+        let why: Vec<String> = rejected.iter().map(|(n, w)| format!("{n}: {w}")).collect();
+        Err(Error::new(
+            ErrorKind::NoDevice,
+            format!("no provider qualifies ({})", why.join("; ")),
+        ))
+    }
+}
+
+/// What was selected and why: never silent.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SelectionReport {
+    /// The provider.
+    pub provider: String,
+    /// The device (and, for verbs providers, port and GID).
+    pub device: String,
+    /// Operations emulated rather than native, with how.
+    pub emulated: Vec<String>,
+    /// Providers passed over, with the reason.
+    pub rejected: Vec<(String, String)>,
+    /// Where the configuration came from.
+    pub sources: Vec<String>,
+}
+
+impl fmt::Display for SelectionReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "provider: {} (device {})", self.provider, self.device)?;
+        if !self.sources.is_empty() {
+            writeln!(f, "configured by: {}", self.sources.join(", "))?;
+        }
+        for (n, why) in &self.rejected {
+            writeln!(f, "passed over {n}: {why}")?;
+        }
+        for e in &self.emulated {
+            writeln!(f, "emulated: {e}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_includes_excludes_and_reject_unknown_names() {
+        assert_eq!(
+            parse_spec("roce,tcp").unwrap(),
+            Spec::Only(vec!["roce".into(), "tcp".into()])
+        );
+        assert_eq!(
+            parse_spec("^ib, ^roce").unwrap(),
+            Spec::Except(vec!["ib".into(), "roce".into()])
+        );
+        let e = parse_spec("tcp,verbz").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.message().contains("ib, roce, iwarp, tcp"), "{e}");
+        assert!(parse_spec("tcp,,roce").is_err());
+    }
+
+    #[test]
+    fn default_selection_falls_back_to_tcp_and_reports_why() {
+        let (_, report) = Selector::new().open().unwrap();
+        assert_eq!(report.provider, "tcp");
+        assert_eq!(report.rejected.len(), 3);
+        assert!(!report.emulated.is_empty());
+        let (_, report) = Selector::new()
+            .providers("^tcp")
+            .unwrap()
+            .open()
+            .map(|_| ())
+            .map(|_| unreachable!())
+            .unwrap_or_else(|e: Error| {
+                assert_eq!(e.kind(), ErrorKind::NoDevice);
+                (
+                    (),
+                    SelectionReport {
+                        provider: String::new(),
+                        device: String::new(),
+                        emulated: vec![],
+                        rejected: vec![],
+                        sources: vec![],
+                    },
+                )
+            });
+        assert!(report.provider.is_empty());
+    }
+
+    #[test]
+    fn strict_mode_refuses_emulated_requirements() {
+        let e = Selector::new()
+            .require(OpSet::FETCH_ADD)
+            .strict(true)
+            .open()
+            .unwrap_err();
+        assert!(e.message().contains("only emulated"), "{e}");
+        assert!(Selector::new().require(OpSet::FETCH_ADD).open().is_ok());
+    }
+
+    #[test]
+    fn config_text_is_validated() {
+        let s = Selector::new()
+            .config_str("provider = \"tcp\"\nrequire = [\"READ\"]\n[tcp]\ncrc = true\n")
+            .unwrap();
+        assert!(s.tcp.crc);
+        assert_eq!(s.require, OpSet::READ);
+        let e = Selector::new().config_str("provder = \"tcp\"").unwrap_err();
+        assert!(e.message().contains("unknown field"), "{e}");
+        assert!(Selector::new()
+            .config_str("require = [\"TELEPORT\"]")
+            .unwrap_err()
+            .message()
+            .contains("valid"));
+        assert!(Selector::new()
+            .config_str("[tcp]\nmax_segment = 0")
+            .unwrap()
+            .open()
+            .is_err());
+    }
+}

@@ -1,0 +1,208 @@
+//! Run-time dispatch over providers with `enum_dispatch`.
+//!
+//! The traits here mirror [`fabric_api::spi`] with the provider types erased into enums.
+//! They are implemented once, generically, for every type implementing the provider traits;
+//! a provider joins by adding its variants to the four enums and one [`ProviderTypes`] line.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use enum_dispatch::enum_dispatch;
+use fabric_api::spi::{self, EndpointConfig};
+use fabric_api::{
+    Access, Buffer, Completion, EndpointState, Error, MemoryRegion, ProviderInfo, RecvWr, Result,
+    SendWr,
+};
+use fabric_tcp::{TcpCq, TcpDomain, TcpEndpoint, TcpListener};
+
+/// A protection domain of any provider.
+#[enum_dispatch]
+pub trait DomainOps {
+    /// Provider, device and capabilities.
+    fn info(&self) -> &ProviderInfo;
+    /// Registers `buffer` with `access`.
+    fn register(&self, buffer: Arc<Buffer>, access: Access) -> Result<MemoryRegion>;
+    /// Allocates a zeroed buffer of `len` bytes and registers it.
+    fn alloc(&self, len: usize, access: Access) -> Result<MemoryRegion> {
+        self.register(Arc::new(Buffer::new(len)), access)
+    }
+    /// Creates a completion queue of `capacity` entries.
+    fn create_cq(&self, capacity: usize) -> Result<AnyCq>;
+    /// Listens at `addr`.
+    fn listen(&self, addr: SocketAddr) -> Result<AnyListener>;
+    /// Connects to a listener at `addr`.
+    fn connect(&self, addr: SocketAddr, cfg: &EndpointConfig<'_, AnyCq>) -> Result<AnyEndpoint>;
+}
+
+/// A completion queue of any provider.
+#[enum_dispatch]
+pub trait CqOps {
+    /// Moves up to `max` completions into `out` without blocking.
+    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize>;
+    /// Blocks until a completion is ready or `timeout` passes.
+    fn wait(&self, timeout: Duration) -> Result<bool>;
+    /// Capacity.
+    fn capacity(&self) -> usize;
+}
+
+/// A connected endpoint of any provider.
+#[enum_dispatch]
+pub trait EndpointOps {
+    /// Posts a send-queue request.
+    fn post_send(&self, wr: &SendWr<'_>) -> Result<()>;
+    /// Posts a receive.
+    fn post_recv(&self, wr: &RecvWr<'_>) -> Result<()>;
+    /// Current state.
+    fn state(&self) -> EndpointState;
+    /// The peer's private data.
+    fn peer_private_data(&self) -> Vec<u8>;
+    /// Local address.
+    fn local_addr(&self) -> SocketAddr;
+    /// Peer address.
+    fn peer_addr(&self) -> SocketAddr;
+    /// What is emulated on this connection.
+    fn emulated(&self) -> Vec<String>;
+    /// Graceful close.
+    fn close(&self) -> Result<()>;
+}
+
+/// A listener of any provider.
+#[enum_dispatch]
+pub trait ListenerOps {
+    /// Bound address.
+    fn local_addr(&self) -> SocketAddr;
+    /// Accepts the next connection request within `timeout`.
+    fn accept(&self, cfg: &EndpointConfig<'_, AnyCq>, timeout: Duration) -> Result<AnyEndpoint>;
+}
+
+/// A domain of the selected provider.
+#[enum_dispatch(DomainOps)]
+#[derive(Debug)]
+pub enum AnyDomain {
+    /// The TCP fallback provider.
+    Tcp(TcpDomain),
+}
+
+/// A completion queue of the selected provider.
+#[enum_dispatch(CqOps)]
+#[derive(Debug, Clone)]
+pub enum AnyCq {
+    /// The TCP fallback provider.
+    Tcp(TcpCq),
+}
+
+/// An endpoint of the selected provider.
+#[enum_dispatch(EndpointOps)]
+#[derive(Debug)]
+pub enum AnyEndpoint {
+    /// The TCP fallback provider.
+    Tcp(TcpEndpoint),
+}
+
+/// A listener of the selected provider.
+#[enum_dispatch(ListenerOps)]
+#[derive(Debug)]
+pub enum AnyListener {
+    /// The TCP fallback provider.
+    Tcp(TcpListener),
+}
+
+/// Ties a provider's completion-queue type to its [`AnyCq`] variant.
+pub trait ProviderTypes: spi::CompletionQueue + Sized {
+    /// The provider's queue inside `cq`, or an error when `cq` belongs to another provider.
+    fn from_any(cq: &AnyCq) -> Result<&Self>;
+}
+
+impl ProviderTypes for TcpCq {
+    #[allow(unreachable_patterns)]
+    fn from_any(cq: &AnyCq) -> Result<&Self> {
+        match cq {
+            AnyCq::Tcp(c) => Ok(c),
+            _ => Err(Error::invalid(
+                "completion queue belongs to another provider",
+            )),
+        }
+    }
+}
+
+fn narrow<'a, C: ProviderTypes>(cfg: &EndpointConfig<'a, AnyCq>) -> Result<EndpointConfig<'a, C>> {
+    Ok(cfg.with_cqs(C::from_any(cfg.send_cq)?, C::from_any(cfg.recv_cq)?))
+}
+
+impl<D> DomainOps for D
+where
+    D: spi::Domain,
+    D::Cq: ProviderTypes + Into<AnyCq>,
+    D::Endpoint: Into<AnyEndpoint>,
+    D::Listener: Into<AnyListener>,
+{
+    fn info(&self) -> &ProviderInfo {
+        spi::Domain::info(self)
+    }
+    fn register(&self, buffer: Arc<Buffer>, access: Access) -> Result<MemoryRegion> {
+        spi::Domain::register(self, buffer, access)
+    }
+    fn create_cq(&self, capacity: usize) -> Result<AnyCq> {
+        spi::Domain::create_cq(self, capacity).map(Into::into)
+    }
+    fn listen(&self, addr: SocketAddr) -> Result<AnyListener> {
+        spi::Domain::listen(self, addr).map(Into::into)
+    }
+    fn connect(&self, addr: SocketAddr, cfg: &EndpointConfig<'_, AnyCq>) -> Result<AnyEndpoint> {
+        spi::Domain::connect(self, addr, &narrow(cfg)?).map(Into::into)
+    }
+}
+
+impl<C: spi::CompletionQueue> CqOps for C {
+    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        spi::CompletionQueue::poll(self, out, max)
+    }
+    fn wait(&self, timeout: Duration) -> Result<bool> {
+        spi::CompletionQueue::wait(self, timeout)
+    }
+    fn capacity(&self) -> usize {
+        spi::CompletionQueue::capacity(self)
+    }
+}
+
+impl<E: spi::Endpoint> EndpointOps for E {
+    fn post_send(&self, wr: &SendWr<'_>) -> Result<()> {
+        spi::Endpoint::post_send(self, wr)
+    }
+    fn post_recv(&self, wr: &RecvWr<'_>) -> Result<()> {
+        spi::Endpoint::post_recv(self, wr)
+    }
+    fn state(&self) -> EndpointState {
+        spi::Endpoint::state(self)
+    }
+    fn peer_private_data(&self) -> Vec<u8> {
+        spi::Endpoint::peer_private_data(self)
+    }
+    fn local_addr(&self) -> SocketAddr {
+        spi::Endpoint::local_addr(self)
+    }
+    fn peer_addr(&self) -> SocketAddr {
+        spi::Endpoint::peer_addr(self)
+    }
+    fn emulated(&self) -> Vec<String> {
+        spi::Endpoint::emulated(self)
+    }
+    fn close(&self) -> Result<()> {
+        spi::Endpoint::close(self)
+    }
+}
+
+impl<L> ListenerOps for L
+where
+    L: spi::Listener,
+    L::Cq: ProviderTypes,
+    L::Endpoint: Into<AnyEndpoint>,
+{
+    fn local_addr(&self) -> SocketAddr {
+        spi::Listener::local_addr(self)
+    }
+    fn accept(&self, cfg: &EndpointConfig<'_, AnyCq>, timeout: Duration) -> Result<AnyEndpoint> {
+        spi::Listener::accept(self, &narrow(cfg)?, timeout).map(Into::into)
+    }
+}

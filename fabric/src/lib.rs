@@ -1,0 +1,48 @@
+//! The fabric framework: one provider-neutral API, dispatched at run time to a provider.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use fabric::prelude::*;
+//!
+//! # fn main() -> fabric::Result<()> {
+//! // FABRIC_PROVIDER / FABRIC_CONFIG, else the best available provider.
+//! let (domain, report) = fabric::Selector::from_env()?.open()?;
+//! println!("{report}");
+//! let cq = domain.create_cq(64)?;
+//! let mr = domain.register(Arc::new(Buffer::new(4096)), Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+//! let ep = domain.connect("127.0.0.1:7471".parse().unwrap(), &EndpointConfig::new(&cq))?;
+//! ep.post_send(&SendWr::send(1, &[mr.slice(0..64)?]))?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Why two sets of traits
+//! Providers implement the statically typed traits of [`fabric_api::spi`] (a domain's
+//! endpoints take that domain's completion queues). `enum_dispatch` needs its trait and its
+//! enum in one crate, and `fabric_api` cannot name the providers that depend on it, so this
+//! crate defines the type-erased traits ([`DomainOps`], [`CqOps`], [`EndpointOps`],
+//! [`ListenerOps`]) next to the enums ([`AnyDomain`], [`AnyCq`], [`AnyEndpoint`],
+//! [`AnyListener`]) and implements them once, generically, for every provider type. The
+//! only per-provider code is one line in [`dispatch`] naming its types.
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod dispatch;
+
+pub use config::{discover, SelectionReport, Selector, PROVIDER_NAMES};
+pub use dispatch::{
+    AnyCq, AnyDomain, AnyEndpoint, AnyListener, CqOps, DomainOps, EndpointOps, ListenerOps,
+};
+pub use fabric_api::spi::EndpointConfig;
+pub use fabric_api::*;
+
+/// Everything an application needs in scope.
+pub mod prelude {
+    pub use crate::dispatch::{
+        AnyCq, AnyDomain, AnyEndpoint, AnyListener, CqOps, DomainOps, EndpointOps, ListenerOps,
+    };
+    pub use fabric_api::spi::EndpointConfig;
+    pub use fabric_api::{
+        Access, Buffer, Completion, EndpointState, ErrorKind, MemoryRegion, OpSet, Opcode, RecvWr,
+        RemoteAddr, RemoteDesc, SendWr, Status,
+    };
+}

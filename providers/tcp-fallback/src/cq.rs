@@ -1,0 +1,156 @@
+//! The completion queue: a bounded queue with reservation, so it can never overrun.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use fabric_api::spi::CompletionQueue;
+use fabric_api::{Completion, Error, ErrorKind, Result};
+
+#[derive(Debug)]
+struct Inner {
+    queue: Mutex<VecDeque<Completion>>,
+    ready: Condvar,
+    waiters: AtomicUsize,
+    capacity: usize,
+    /// Slots promised to posted operations plus completions not yet polled.
+    reserved: AtomicUsize,
+}
+
+/// A completion queue of the tcp provider.
+#[derive(Debug, Clone)]
+pub struct TcpCq {
+    inner: Arc<Inner>,
+}
+
+impl TcpCq {
+    pub(crate) fn new(capacity: usize) -> Result<Self> {
+        if capacity == 0 || capacity > crate::MAX_CQ_ENTRIES as usize {
+            return Err(Error::invalid(format!(
+                "completion queue capacity {capacity} outside 1..={}",
+                crate::MAX_CQ_ENTRIES
+            )));
+        }
+        Ok(TcpCq {
+            inner: Arc::new(Inner {
+                queue: Mutex::new(VecDeque::with_capacity(capacity)),
+                ready: Condvar::new(),
+                waiters: AtomicUsize::new(0),
+                capacity,
+                reserved: AtomicUsize::new(0),
+            }),
+        })
+    }
+
+    /// Promises a slot to an operation being posted; refused when the queue could overrun.
+    pub(crate) fn reserve(&self) -> Result<()> {
+        let cap = self.inner.capacity;
+        self.inner
+            .reserved
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| (r < cap).then_some(r + 1))
+            .map(|_| ())
+            .map_err(|_| {
+                Error::new(
+                    ErrorKind::QueueFull,
+                    format!("completion queue of {cap} entries would overrun: poll it before posting more"),
+                )
+            })
+    }
+
+    /// Gives back a slot whose operation completed without a completion entry.
+    pub(crate) fn unreserve(&self) {
+        self.inner.reserved.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Delivers a completion into a slot reserved earlier.
+    pub(crate) fn push(&self, c: Completion) {
+        let mut q = self.inner.queue.lock().expect("cq poisoned");
+        q.push_back(c);
+        drop(q);
+        if self.inner.waiters.load(Ordering::Acquire) > 0 {
+            self.inner.ready.notify_all();
+        }
+    }
+}
+
+impl CompletionQueue for TcpCq {
+    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        let mut q = self.inner.queue.lock().expect("cq poisoned");
+        let n = q.len().min(max);
+        out.extend(q.drain(..n));
+        drop(q);
+        self.inner.reserved.fetch_sub(n, Ordering::AcqRel);
+        Ok(n)
+    }
+
+    fn wait(&self, timeout: Duration) -> Result<bool> {
+        let deadline = Instant::now() + timeout;
+        let mut q = self.inner.queue.lock().expect("cq poisoned");
+        self.inner.waiters.fetch_add(1, Ordering::AcqRel);
+        let ready = loop {
+            if !q.is_empty() {
+                break true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                break false;
+            }
+            q = self
+                .inner
+                .ready
+                .wait_timeout(q, deadline - now)
+                .expect("cq poisoned")
+                .0;
+        };
+        self.inner.waiters.fetch_sub(1, Ordering::AcqRel);
+        Ok(ready)
+    }
+
+    fn capacity(&self) -> usize {
+        self.inner.capacity
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fabric_api::{Opcode, Status};
+
+    fn c(context: u64) -> Completion {
+        Completion {
+            context,
+            opcode: Opcode::Send,
+            status: Status::Success,
+            provider_code: None,
+            byte_len: 0,
+            imm: None,
+        }
+    }
+
+    #[test]
+    fn reservations_bound_the_queue_and_polling_frees_them() {
+        let cq = TcpCq::new(2).unwrap();
+        cq.reserve().unwrap();
+        cq.reserve().unwrap();
+        assert_eq!(cq.reserve().unwrap_err().kind(), ErrorKind::QueueFull);
+        cq.push(c(1));
+        cq.push(c(2));
+        let mut out = Vec::new();
+        assert_eq!(cq.poll(&mut out, 1).unwrap(), 1);
+        cq.reserve().unwrap();
+        assert_eq!(out[0].context, 1);
+    }
+
+    #[test]
+    fn wait_times_out_then_wakes_on_push() {
+        let cq = TcpCq::new(4).unwrap();
+        assert!(!cq.wait(Duration::from_millis(20)).unwrap());
+        let cq2 = cq.clone();
+        let t = std::thread::spawn(move || cq2.wait(Duration::from_secs(10)).unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+        cq.reserve().unwrap();
+        cq.push(c(9));
+        assert!(t.join().unwrap());
+    }
+}

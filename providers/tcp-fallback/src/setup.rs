@@ -1,0 +1,224 @@
+//! Connection setup: TCP connect / accept, then the MPA Request / Reply exchange.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use fabric_api::{Error, ErrorKind, Result};
+
+use crate::conn::Negotiated;
+use crate::wire::mpa::{self, Enhanced, ExtBlock, MpaFrame, RtrKinds, Setup};
+use crate::TcpOptions;
+
+/// Inbound reads and atomics we serve concurrently (IRD): the receive thread answers
+/// them in order, so the number only bounds what the peer may queue.
+pub(crate) const IRD: u16 = 64;
+/// Outbound reads and atomics we want in flight (ORD).
+pub(crate) const ORD: u16 = 64;
+
+fn protocol(what: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Protocol, what.into())
+}
+
+fn read_frame(sock: &mut TcpStream, reply: bool) -> Result<MpaFrame> {
+    let mut h = [0u8; mpa::HEADER_LEN];
+    sock.read_exact(&mut h).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => protocol(format!(
+            "peer closed during MPA {}",
+            if reply { "reply" } else { "request" }
+        )),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::new(
+            ErrorKind::TimedOut,
+            format!("no MPA {} in time", if reply { "reply" } else { "request" }),
+        ),
+        _ => e.into(),
+    })?;
+    let (mut frame, pd_len) = MpaFrame::decode_header(&h, reply)?;
+    frame.private_data = vec![0; pd_len];
+    sock.read_exact(&mut frame.private_data)?;
+    Ok(frame)
+}
+
+fn user_pd_check(pd: &[u8]) -> Result<()> {
+    if pd.len() > crate::MAX_PRIVATE_DATA as usize {
+        return Err(Error::invalid(format!(
+            "private data of {} bytes exceeds the maximum of {}",
+            pd.len(),
+            crate::MAX_PRIVATE_DATA
+        )));
+    }
+    Ok(())
+}
+
+/// Initiator side: sends the MPA Request and checks the Reply.
+pub(crate) fn initiate(
+    sock: &mut TcpStream,
+    opts: &TcpOptions,
+    private_data: &[u8],
+    timeout: Duration,
+) -> Result<Negotiated> {
+    user_pd_check(private_data)?;
+    sock.set_read_timeout(Some(timeout))?;
+    let ours = features_of(opts);
+    let req = MpaFrame {
+        reply: false,
+        markers: false,
+        crc: opts.crc,
+        reject: false,
+        revision: 2,
+        private_data: Setup {
+            enhanced: Some(Enhanced {
+                ird: IRD,
+                ord: ORD,
+                peer_to_peer: false,
+                rtr: RtrKinds::default(),
+            }),
+            ext: opts.extensions.then_some(ExtBlock {
+                version: ExtBlock::VERSION,
+                features: ours,
+            }),
+            user: private_data.to_vec(),
+        }
+        .encode(),
+    };
+    sock.write_all(&req.encode())?;
+    let rep = read_frame(sock, true)?;
+    sock.set_read_timeout(None)?;
+    if rep.revision > 2 {
+        return Err(protocol(format!(
+            "MPA reply revision {} is newer than the request's 2",
+            rep.revision
+        )));
+    }
+    let setup = Setup::decode(rep.revision, &rep.private_data)?;
+    if rep.reject {
+        return Err(Error::new(
+            ErrorKind::ConnectionRefused,
+            format!(
+                "peer rejected the connection (MPA reject){}",
+                reject_reason(&setup.user)
+            ),
+        ));
+    }
+    if rep.markers {
+        return Err(protocol(
+            "peer wants MPA markers, which this provider never uses",
+        ));
+    }
+    if let Some(e) = setup.enhanced.filter(|e| e.peer_to_peer) {
+        return Err(protocol(format!(
+            "peer replied with peer-to-peer mode ({:?}) that was not requested",
+            e.rtr
+        )));
+    }
+    Ok(Negotiated {
+        features: setup.ext.map(|x| x.features & ours).unwrap_or(0),
+        crc: rep.crc,
+        ord: setup.enhanced.map_or(1, |e| e.ird.min(ORD).max(1)).into(),
+        revision: rep.revision,
+        peer_private: setup.user,
+        expect_send_rtr: false,
+    })
+}
+
+fn reject_reason(pd: &[u8]) -> String {
+    if pd.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", String::from_utf8_lossy(pd))
+    }
+}
+
+fn features_of(opts: &TcpOptions) -> u8 {
+    if opts.extensions {
+        mpa::features::ALL
+    } else {
+        0
+    }
+}
+
+/// Responder side: reads the MPA Request and answers it.
+pub(crate) fn respond(
+    sock: &mut TcpStream,
+    opts: &TcpOptions,
+    private_data: &[u8],
+    timeout: Duration,
+) -> Result<Negotiated> {
+    user_pd_check(private_data)?;
+    sock.set_read_timeout(Some(timeout))?;
+    let req = read_frame(sock, false)?;
+    sock.set_read_timeout(None)?;
+    let revision = req.revision.min(2);
+    let reject = |sock: &mut TcpStream, why: &str| -> Error {
+        let f = MpaFrame {
+            reply: true,
+            markers: false,
+            crc: false,
+            reject: true,
+            revision,
+            private_data: why.as_bytes().to_vec(),
+        };
+        let _ = sock.write_all(&f.encode());
+        protocol(format!("rejected connection request: {why}"))
+    };
+    if req.markers {
+        return Err(reject(sock, "MPA markers are not supported"));
+    }
+    let setup = match Setup::decode(req.revision, &req.private_data) {
+        Ok(s) => s,
+        Err(e) => return Err(reject(sock, &e.to_string())),
+    };
+    let ours = features_of(opts);
+    let mut expect_send_rtr = false;
+    let enhanced = setup.enhanced.map(|e| {
+        let mut rtr = RtrKinds::default();
+        if e.peer_to_peer {
+            // RFC 6581: the responder picks one of the offered RTR kinds.
+            if e.rtr.write {
+                rtr.write = true;
+            } else if e.rtr.read {
+                rtr.read = true;
+            } else {
+                rtr.send = true;
+                expect_send_rtr = true;
+            }
+        }
+        Enhanced {
+            ird: IRD,
+            ord: ORD.min(e.ird).max(1),
+            peer_to_peer: e.peer_to_peer,
+            rtr,
+        }
+    });
+    let crc = req.crc || opts.crc;
+    let ext = if setup.ext.is_some() && opts.extensions {
+        Some(ExtBlock {
+            version: ExtBlock::VERSION,
+            features: ours,
+        })
+    } else {
+        None
+    };
+    let rep = MpaFrame {
+        reply: true,
+        markers: false,
+        crc,
+        reject: false,
+        revision,
+        private_data: Setup {
+            enhanced: if revision >= 2 { enhanced } else { None },
+            ext,
+            user: private_data.to_vec(),
+        }
+        .encode(),
+    };
+    sock.write_all(&rep.encode())?;
+    Ok(Negotiated {
+        features: setup.ext.map(|x| x.features & ours).unwrap_or(0),
+        crc,
+        ord: setup.enhanced.map_or(1, |e| e.ird.min(ORD).max(1)).into(),
+        revision,
+        peer_private: setup.user,
+        expect_send_rtr,
+    })
+}
