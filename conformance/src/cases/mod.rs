@@ -1,9 +1,12 @@
 //! The cases, one module per section of semantics.md.
 
-use fabric::OpSet;
-
 use crate::harness::Case;
 
+mod atomic;
+mod bad;
+mod conn;
+mod cq;
+mod mr;
 mod msg;
 mod rma;
 
@@ -18,10 +21,12 @@ pub(crate) use cases;
 /// Every case, in section order.
 pub fn all_cases() -> Vec<Case> {
     let mut v = Vec::new();
+    v.extend(mr::cases());
     v.extend(msg::cases());
     v.extend(rma::cases());
+    v.extend(atomic::cases());
+    v.extend(cq::cases());
+    v.extend(conn::cases());
+    v.extend(bad::cases());
     v
 }
-
-#[allow(dead_code)]
-pub(crate) const NONE: OpSet = OpSet::empty();
