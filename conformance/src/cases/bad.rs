@@ -1,7 +1,127 @@
-//! Section 8.
+//! Section 8: bad input gets a clear error, never a crash, a hang or lost data.
 
-use crate::harness::Case;
+use std::io::Write;
+use std::time::Duration;
+
+use fabric::prelude::*;
+use fabric::Selector;
+
+use super::cases;
+use crate::ensure;
+use crate::harness::{expect_ok, region, Case, CaseResultOf, Ctx, Ctxt, PairOpts};
 
 pub(super) fn cases() -> Vec<Case> {
-    Vec::new()
+    cases! {
+        "bad.oversized_private_data", "8", OpSet::empty() => oversized_private_data;
+        "bad.queue_depths_and_capacity", "8", OpSet::empty() => bad_depths;
+        "bad.atomic_result_not_8_bytes", "8", OpSet::FETCH_ADD => atomic_result_size;
+        "bad.unknown_provider_and_config", "8", OpSet::empty() => bad_config;
+        "bad.garbage_to_listener", "8", OpSet::SEND => garbage_to_listener;
+        "bad.error_keeps_acknowledged_data", "8", OpSet::WRITE => keeps_acknowledged;
+    }
+}
+
+fn oversized_private_data(ctx: &Ctx) -> CaseResultOf {
+    let max = ctx.info().caps.limits.max_private_data as usize;
+    match ctx.pair_with(PairOpts { private_a: vec![7; max + 1], ..PairOpts::default() }) {
+        Err(e) if e.contains("InvalidArgument") => {}
+        Err(e) => return Err(format!("{} bytes of private data (max {max}): unclear error {e}", max + 1)),
+        Ok(_) => return Err(format!("{} bytes of private data (max {max}) were accepted", max + 1)),
+    }
+    ctx.pair_with(PairOpts { private_a: vec![7; max], ..PairOpts::default() }).map(|_| ()).map_err(|e| format!("exactly {max} bytes of private data: {e}"))
+}
+
+fn bad_depths(ctx: &Ctx) -> CaseResultOf {
+    let d = ctx.domain()?;
+    match d.create_cq(0) {
+        Err(e) if e.kind() == ErrorKind::InvalidArgument => {}
+        other => return Err(format!("create_cq(0) returned {other:?}")),
+    }
+    let max_cq = ctx.info().caps.limits.max_cq_entries as usize;
+    if d.create_cq(max_cq + 1).is_ok() {
+        return Err(format!("create_cq({}) above the advertised max {max_cq} succeeded", max_cq + 1));
+    }
+    match ctx.pair_with(PairOpts { sq_depth: 0, ..PairOpts::default() }) {
+        Err(e) if e.contains("InvalidArgument") => {}
+        other => return Err(format!("send queue depth 0: {:?}", other.map(|_| ()))),
+    }
+    Ok(())
+}
+
+fn atomic_result_size(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let r = region(&p.da, 16, Access::LOCAL_WRITE)?;
+    let t = region(&p.db, 16, Access::all())?;
+    match p.a.post_send(&SendWr::fetch_add(1, r.slice(0..4).ctx("s")?, t.desc().at(0), 1)) {
+        Err(e) if e.kind() == ErrorKind::InvalidArgument => Ok(()),
+        other => Err(format!("atomic with a 4-byte result buffer returned {other:?}")),
+    }
+}
+
+fn bad_config(_ctx: &Ctx) -> CaseResultOf {
+    match Selector::new().providers("tcp,infiniband") {
+        Err(e) if e.kind() == ErrorKind::Config && e.message().contains("ib, roce, iwarp, tcp") => {}
+        other => return Err(format!("unknown provider name: {other:?}")),
+    }
+    for text in ["provider = 3", "provider = \"tcp\"\nbogus = 1", "require = [\"WARP\"]", "[tcp]\ncrc = \"yes\"", "\u{0}\u{1}"] {
+        match Selector::new().config_str(text) {
+            Err(e) if e.kind() == ErrorKind::Config && !e.message().is_empty() => {}
+            other => return Err(format!("config {text:?} returned {other:?}")),
+        }
+    }
+    Ok(())
+}
+
+fn garbage_to_listener(ctx: &Ctx) -> CaseResultOf {
+    let server = ctx.domain()?;
+    let scq = server.create_cq(16).ctx("cq")?;
+    let l = server.listen(ctx.any_port()).ctx("listen")?;
+    let addr = l.local_addr();
+    // Hostile clients: garbage, a truncated request, an oversized length, silence.
+    let garbage: [&[u8]; 4] = [b"GET / HTTP/1.1\r\n\r\n", b"MPA ID Req Fr", &[0xff; 64], b""];
+    let mut held = Vec::new();
+    for g in garbage {
+        if let Ok(mut s) = std::net::TcpStream::connect(addr) {
+            let _ = s.write_all(g);
+            held.push(s);
+        }
+    }
+    drop(held);
+    // The listener still serves a well-behaved client.
+    let client = ctx.domain()?;
+    let ccq = client.create_cq(16).ctx("cq")?;
+    let (ep, acc) = std::thread::scope(|s| {
+        let h = s.spawn(|| client.connect(addr, &EndpointConfig::new(&ccq)));
+        let acc = l.accept(&EndpointConfig::new(&scq), Duration::from_secs(15));
+        (h.join().expect("connect thread"), acc)
+    });
+    let ep = ep.ctx("good client connect")?;
+    let acc = acc.ctx("accept after garbage")?;
+    let rq = region(&server, 16, Access::LOCAL_WRITE)?;
+    acc.post_recv(&RecvWr::new(1, &[rq.all()])).ctx("post_recv")?;
+    let m = region(&client, 5, Access::empty())?;
+    m.buffer().write(0, b"still");
+    ep.post_send(&SendWr::send(2, &[m.all()])).ctx("post_send")?;
+    expect_ok(&scq, 1, Opcode::Recv)?;
+    ensure!(rq.buffer().to_vec(0, 5) == b"still", "message after garbage corrupted");
+    Ok(())
+}
+
+fn keeps_acknowledged(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let src = region(&p.da, 4096, Access::empty())?;
+    src.buffer().fill(0, 4096, 0x6b);
+    let t = region(&p.db, 8192, Access::all())?;
+    p.a.post_send(&SendWr::write(1, &[src.all()], t.desc().at(0))).ctx("post")?;
+    expect_ok(&p.cqa, 1, Opcode::Write)?;
+    // A later hostile request (bad key) breaks the connection but must not undo or
+    // disturb what was already acknowledged.
+    let mut bad = t.desc().at(4096);
+    bad.key = bad.key.wrapping_add(1);
+    p.a.post_send(&SendWr::write(2, &[src.all()], bad)).ctx("post bad")?;
+    let c = crate::harness::next(&p.cqa, Duration::from_secs(10))?;
+    ensure!(c.status == Status::Error(ErrorKind::RemoteAccess), "bad-key write completed {c:?}");
+    ensure!(t.buffer().to_vec(0, 4096).iter().all(|&b| b == 0x6b), "acknowledged data changed after the error");
+    ensure!(t.buffer().to_vec(4096, 4096).iter().all(|&b| b == 0), "refused write touched memory");
+    Ok(())
 }

@@ -80,8 +80,13 @@ struct Pending {
     context: u64,
     opcode: Opcode,
     signaled: bool,
-    /// Response units still expected.
-    expect: u32,
+    /// Write acks still expected (Write messages are acknowledged when placed).
+    wait_write: u32,
+    /// Message acks still expected (Send and Immediate Data are acknowledged when they
+    /// land in a receive, which may be long after later writes were placed).
+    wait_msg: u32,
+    /// A Read or Atomic Response is still expected.
+    wait_resp: bool,
     /// All bytes handed to the kernel.
     sent: bool,
     byte_len: u64,
@@ -91,7 +96,7 @@ struct Pending {
 
 impl Pending {
     fn done(&self) -> bool {
-        self.error.is_some() || (self.expect == 0 && self.sent)
+        self.error.is_some() || (self.wait_write == 0 && self.wait_msg == 0 && !self.wait_resp && self.sent)
     }
     fn is_read_like(&self) -> bool {
         matches!(self.resp, Resp::Read { .. } | Resp::Atomic { .. })
@@ -206,14 +211,6 @@ fn wire_violation(e: WireError) -> RxEnd {
     };
     violation(t, e.to_string())
 }
-
-/// Terminate code for an atomic whose target word is not 8-byte aligned (RDMAP remote
-/// operation error); reported as RemoteInvalidRequest, as rxe reports it.
-pub(crate) const MISALIGNED_ATOMIC: Terminate = Terminate {
-    layer: 0,
-    etype: 2,
-    ecode: 0x0a,
-};
 
 impl Conn {
     #[allow(clippy::too_many_arguments)]
@@ -336,7 +333,7 @@ impl Conn {
         let acks = self.neg.has(features::ACKS);
         let inline = wr.flags.contains(SendFlags::INLINE);
         let mut msgs = Vec::with_capacity(2);
-        let (expect, byte_len, resp_kind, read_like);
+        let (wait_write, wait_msg, byte_len, resp_kind, read_like);
         enum R {
             Acks,
             Read(Sges),
@@ -382,8 +379,8 @@ impl Conn {
                     payload: payload(sges, total)?,
                     sent_seq: None,
                 });
-                (expect, byte_len, resp_kind, read_like) =
-                    (u32::from(acks), total as u64, R::Acks, false);
+                (wait_write, wait_msg, byte_len, resp_kind, read_like) =
+                    (0, u32::from(acks), total as u64, R::Acks, false);
             }
             SendOp::Write { sgl, remote, imm } => {
                 if imm.is_some() {
@@ -412,15 +409,16 @@ impl Conn {
                         p,
                     ));
                 }
-                let units = if acks { msgs.len() as u32 } else { 0 };
-                (expect, byte_len, resp_kind, read_like) = (units, total as u64, R::Acks, false);
+                let imm_msgs = msgs.len() as u32 - 1;
+                (wait_write, wait_msg, byte_len, resp_kind, read_like) =
+                    (u32::from(acks), if acks { imm_msgs } else { 0 }, total as u64, R::Acks, false);
             }
             SendOp::Read { sgl, remote } => {
                 let (sges, total) = self.gather(sgl, Access::LOCAL_WRITE)?;
                 if inline {
                     return Err(Error::invalid("a read cannot be inline"));
                 }
-                (expect, byte_len, resp_kind, read_like) = (1, total as u64, R::Read(sges), true);
+                (wait_write, wait_msg, byte_len, resp_kind, read_like) = (0, 0, total as u64, R::Read(sges), true);
                 msgs.push(OutMsg::control(
                     Kind::Untagged {
                         opcode: opcode::READ_REQUEST,
@@ -475,7 +473,7 @@ impl Conn {
                     .encode()
                     .to_vec(),
                 ));
-                (expect, byte_len, resp_kind, read_like) = (1, 8, R::Atomic(b, off), true);
+                (wait_write, wait_msg, byte_len, resp_kind, read_like) = (0, 0, 8, R::Atomic(b, off), true);
             }
         }
 
@@ -526,7 +524,9 @@ impl Conn {
             context: wr.context,
             opcode: wr.opcode(),
             signaled: wr.flags.contains(SendFlags::SIGNALED),
-            expect,
+            wait_write,
+            wait_msg,
+            wait_resp: read_like,
             sent: false,
             byte_len,
             resp,
@@ -628,18 +628,7 @@ impl Conn {
             imm,
         });
         if self.neg.has(features::ACKS) {
-            self.transmit(
-                st,
-                OutMsg::control(
-                    Kind::Untagged {
-                        opcode: opcode::ACK,
-                        ulp: 1,
-                        qn: qn::ACK,
-                        msn: 0,
-                    },
-                    Vec::new(),
-                ),
-            );
+            self.send_ack(st, ddp::ACK_MESSAGES | 1);
         }
     }
 
@@ -706,6 +695,12 @@ impl Conn {
         }
         drop(tx);
         self.tx.wake.notify_one();
+    }
+
+    /// Acknowledges `ulp & ACK_COUNT` placed messages: writes, or (with [`ddp::ACK_MESSAGES`])
+    /// sends and immediate data that landed in receives.
+    fn send_ack(&self, st: &mut State, ulp: u32) {
+        self.transmit(st, OutMsg::control(Kind::Untagged { opcode: opcode::ACK, ulp, qn: qn::ACK, msn: 0 }, Vec::new()));
     }
 
     fn send_terminate(&self, st: &mut State, t: Terminate) {
@@ -867,6 +862,9 @@ impl Conn {
         };
         let mut st = self.lock();
         let was_connected = st.status == EndpointState::Connected;
+        // Whatever arrives after a local close or error (a late ack, say) is not the
+        // peer's fault: the connection is already over.
+        let end = if was_connected { end } else { RxEnd::Local };
         match end {
             RxEnd::Violation(t, detail) => {
                 tracing::warn!(peer = %self.peer, "peer violated the protocol or an access right: {detail}; sending Terminate {t:?}");
@@ -969,18 +967,7 @@ impl Conn {
                     r.last_write_len = std::mem::take(&mut r.write_len);
                     if self.neg.has(features::ACKS) {
                         let mut st = self.lock();
-                        self.transmit(
-                            &mut st,
-                            OutMsg::control(
-                                Kind::Untagged {
-                                    opcode: opcode::ACK,
-                                    ulp: 1,
-                                    qn: qn::ACK,
-                                    msn: 0,
-                                },
-                                Vec::new(),
-                            ),
-                        );
+                        self.send_ack(&mut st, 1);
                     }
                 }
                 Ok(())
@@ -1094,9 +1081,10 @@ impl Conn {
                         self.response_unit(&mut st, Unit::Atomic(resp))
                     }
                     (qn::ACK, opcode::ACK) if ext_ok(features::ACKS) && len == 0 => {
+                        let unit = if ulp & ddp::ACK_MESSAGES != 0 { Unit::MessageAck } else { Unit::WriteAck };
                         let mut st = self.lock();
-                        for _ in 0..ulp {
-                            self.response_unit(&mut st, Unit::Ack)?;
+                        for _ in 0..ulp & ddp::ACK_COUNT {
+                            self.response_unit(&mut st, unit)?;
                         }
                         Ok(())
                     }
@@ -1304,7 +1292,7 @@ impl Conn {
             })?;
         let word = t.buffer.atomic_u64(t.offset).ok_or_else(|| {
             violation(
-                MISALIGNED_ATOMIC,
+                term::MISALIGNED_ATOMIC,
                 format!("atomic target {:#x} is not 8-byte aligned", a.to),
             )
         })?;
@@ -1398,39 +1386,31 @@ impl Conn {
         Ok(())
     }
 
-    /// Credits one response to the oldest request still waiting for one.
+    /// Credits a response to the oldest request waiting for one of its kind. Each kind
+    /// arrives in request order (writes are placed in order, receives are matched in order,
+    /// reads and atomics are answered in order), but kinds may overtake one another: a
+    /// write is placed while an earlier send waits for a receive.
     fn response_unit(&self, st: &mut State, unit: Unit) -> std::result::Result<(), RxEnd> {
-        let Some(p) = st.sq.iter_mut().find(|p| p.expect > 0 && p.error.is_none()) else {
-            return Err(violation(
-                term::INVALID_OPCODE,
-                format!("{unit:?} with no request waiting for it"),
-            ));
-        };
-        let ok = match (&p.resp, &unit) {
-            (Resp::Acks, Unit::Ack) => true,
-            (Resp::Read { sink }, Unit::ReadDone(s)) => sink == s,
-            (
-                Resp::Atomic {
-                    req_id,
-                    result,
-                    offset,
-                },
-                Unit::Atomic(a),
-            ) if *req_id == a.req_id => {
-                result.write(*offset, &a.original.to_ne_bytes());
-                true
-            }
+        let found = st.sq.iter_mut().filter(|p| p.error.is_none()).find(|p| match (&unit, &p.resp) {
+            (Unit::WriteAck, _) => p.wait_write > 0,
+            (Unit::MessageAck, _) => p.wait_msg > 0,
+            (Unit::ReadDone(_), Resp::Read { .. }) | (Unit::Atomic(_), Resp::Atomic { .. }) => p.wait_resp,
             _ => false,
+        });
+        let Some(p) = found else {
+            return Err(violation(term::INVALID_OPCODE, format!("{unit:?} with no request waiting for it")));
         };
-        if !ok {
-            return Err(violation(
-                term::INVALID_OPCODE,
-                format!("{unit:?} does not answer the oldest outstanding request"),
-            ));
+        match (&unit, &p.resp) {
+            (Unit::WriteAck, _) => p.wait_write -= 1,
+            (Unit::MessageAck, _) => p.wait_msg -= 1,
+            (Unit::ReadDone(s), Resp::Read { sink }) if s == sink => p.wait_resp = false,
+            (Unit::Atomic(a), Resp::Atomic { req_id, result, offset }) if *req_id == a.req_id => {
+                result.write(*offset, &a.original.to_ne_bytes());
+                p.wait_resp = false;
+            }
+            _ => return Err(violation(term::INVALID_OPCODE, format!("{unit:?} does not answer the oldest outstanding request of its kind"))),
         }
-        p.expect -= 1;
-        let freed = p.expect == 0 && p.is_read_like();
-        if freed {
+        if p.is_read_like() && !p.wait_resp {
             st.reads_out -= 1;
             self.release_backlog(st);
         }
@@ -1442,9 +1422,10 @@ impl Conn {
 /// Largest message the posting thread encodes and sends itself.
 const DIRECT_LIMIT: usize = 16 << 10;
 
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 enum Unit {
-    Ack,
+    WriteAck,
+    MessageAck,
     ReadDone(u32),
     Atomic(AtomicResponse),
 }

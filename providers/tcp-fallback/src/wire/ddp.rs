@@ -15,7 +15,7 @@
 //! | opcode | message | queue | payload |
 //! |---|---|---|---|
 //! | 0x8 | Send with Immediate | 0 | like Send; the 32-bit "reserved for ULP" field carries the immediate value |
-//! | 0x9 | Delivery Ack | 4 | none; the ULP field counts acknowledged messages |
+//! | 0x9 | Delivery Ack | 4 | none; the ULP field: bit 31 set acknowledges Sends / Immediate Data that landed in receives, clear acknowledges placed Writes; bits 0-30 count them |
 //! | 0xA | Atomic Request (RFC 7306 layout) | 3 | op, request id, STag, TO, add/swap, mask, compare, mask |
 //! | 0xB | Atomic Response (RFC 7306 layout) | 3 | request id, original value |
 //! | 0xC | Immediate Data (RFC 7306) | 0 | 8 bytes: the 32-bit immediate value, 4 reserved |
@@ -403,6 +403,12 @@ impl AtomicResponse {
     }
 }
 
+/// Ack ULP-field flag: the ack counts Send / Immediate Data messages matched to receives
+/// (clear: RDMA Write messages placed).
+pub const ACK_MESSAGES: u32 = 1 << 31;
+/// Ack ULP-field mask of the count.
+pub const ACK_COUNT: u32 = ACK_MESSAGES - 1;
+
 /// Length of the Immediate Data payload.
 pub const IMMEDIATE_LEN: usize = 8;
 
@@ -444,6 +450,9 @@ pub mod term {
         etype: 2,
         ecode: 0x06,
     };
+    /// RDMAP remote operation: the atomic's target word is not 8-byte aligned (our code;
+    /// reported as RemoteInvalidRequest, as rxe reports a misaligned atomic).
+    pub const MISALIGNED_ATOMIC: Terminate = Terminate { layer: 0, etype: 2, ecode: 0x0a };
     /// RDMAP remote operation: unspecified.
     pub const REMOTE_OPERATION: Terminate = Terminate {
         layer: 0,
@@ -523,7 +532,7 @@ impl Terminate {
         use fabric_api::ErrorKind as K;
         match (self.layer, self.etype) {
             (0, 1) | (1, 1) => K::RemoteAccess,
-            (0, 2) if self.ecode == 0x06 || self.ecode == 0x05 => K::RemoteInvalidRequest,
+            (0, 2) if matches!(self.ecode, 0x05 | 0x06 | 0x0a) => K::RemoteInvalidRequest,
             (0, 2) => K::RemoteOperation,
             (1, 2) => K::RemoteInvalidRequest,
             _ => K::RemoteOperation,
