@@ -96,7 +96,8 @@ struct Pending {
 
 impl Pending {
     fn done(&self) -> bool {
-        self.error.is_some() || (self.wait_write == 0 && self.wait_msg == 0 && !self.wait_resp && self.sent)
+        self.error.is_some()
+            || (self.wait_write == 0 && self.wait_msg == 0 && !self.wait_resp && self.sent)
     }
     fn is_read_like(&self) -> bool {
         matches!(self.resp, Resp::Read { .. } | Resp::Atomic { .. })
@@ -410,15 +411,21 @@ impl Conn {
                     ));
                 }
                 let imm_msgs = msgs.len() as u32 - 1;
-                (wait_write, wait_msg, byte_len, resp_kind, read_like) =
-                    (u32::from(acks), if acks { imm_msgs } else { 0 }, total as u64, R::Acks, false);
+                (wait_write, wait_msg, byte_len, resp_kind, read_like) = (
+                    u32::from(acks),
+                    if acks { imm_msgs } else { 0 },
+                    total as u64,
+                    R::Acks,
+                    false,
+                );
             }
             SendOp::Read { sgl, remote } => {
                 let (sges, total) = self.gather(sgl, Access::LOCAL_WRITE)?;
                 if inline {
                     return Err(Error::invalid("a read cannot be inline"));
                 }
-                (wait_write, wait_msg, byte_len, resp_kind, read_like) = (0, 0, total as u64, R::Read(sges), true);
+                (wait_write, wait_msg, byte_len, resp_kind, read_like) =
+                    (0, 0, total as u64, R::Read(sges), true);
                 msgs.push(OutMsg::control(
                     Kind::Untagged {
                         opcode: opcode::READ_REQUEST,
@@ -473,7 +480,8 @@ impl Conn {
                     .encode()
                     .to_vec(),
                 ));
-                (wait_write, wait_msg, byte_len, resp_kind, read_like) = (0, 0, 8, R::Atomic(b, off), true);
+                (wait_write, wait_msg, byte_len, resp_kind, read_like) =
+                    (0, 0, 8, R::Atomic(b, off), true);
             }
         }
 
@@ -546,7 +554,7 @@ impl Conn {
     }
 
     fn may_start(&self, st: &State, g: &Gated) -> bool {
-        !(g.fence && st.reads_out > 0) && !(g.read_like && st.reads_out >= self.neg.ord)
+        !(g.fence && st.reads_out > 0 || g.read_like && st.reads_out >= self.neg.ord)
     }
 
     fn start_gated(&self, st: &mut State, g: Gated) {
@@ -700,7 +708,18 @@ impl Conn {
     /// Acknowledges `ulp & ACK_COUNT` placed messages: writes, or (with [`ddp::ACK_MESSAGES`])
     /// sends and immediate data that landed in receives.
     fn send_ack(&self, st: &mut State, ulp: u32) {
-        self.transmit(st, OutMsg::control(Kind::Untagged { opcode: opcode::ACK, ulp, qn: qn::ACK, msn: 0 }, Vec::new()));
+        self.transmit(
+            st,
+            OutMsg::control(
+                Kind::Untagged {
+                    opcode: opcode::ACK,
+                    ulp,
+                    qn: qn::ACK,
+                    msn: 0,
+                },
+                Vec::new(),
+            ),
+        );
     }
 
     fn send_terminate(&self, st: &mut State, t: Terminate) {
@@ -1081,7 +1100,11 @@ impl Conn {
                         self.response_unit(&mut st, Unit::Atomic(resp))
                     }
                     (qn::ACK, opcode::ACK) if ext_ok(features::ACKS) && len == 0 => {
-                        let unit = if ulp & ddp::ACK_MESSAGES != 0 { Unit::MessageAck } else { Unit::WriteAck };
+                        let unit = if ulp & ddp::ACK_MESSAGES != 0 {
+                            Unit::MessageAck
+                        } else {
+                            Unit::WriteAck
+                        };
                         let mut st = self.lock();
                         for _ in 0..ulp & ddp::ACK_COUNT {
                             self.response_unit(&mut st, unit)?;
@@ -1391,24 +1414,44 @@ impl Conn {
     /// reads and atomics are answered in order), but kinds may overtake one another: a
     /// write is placed while an earlier send waits for a receive.
     fn response_unit(&self, st: &mut State, unit: Unit) -> std::result::Result<(), RxEnd> {
-        let found = st.sq.iter_mut().filter(|p| p.error.is_none()).find(|p| match (&unit, &p.resp) {
-            (Unit::WriteAck, _) => p.wait_write > 0,
-            (Unit::MessageAck, _) => p.wait_msg > 0,
-            (Unit::ReadDone(_), Resp::Read { .. }) | (Unit::Atomic(_), Resp::Atomic { .. }) => p.wait_resp,
-            _ => false,
-        });
+        let found =
+            st.sq
+                .iter_mut()
+                .filter(|p| p.error.is_none())
+                .find(|p| match (&unit, &p.resp) {
+                    (Unit::WriteAck, _) => p.wait_write > 0,
+                    (Unit::MessageAck, _) => p.wait_msg > 0,
+                    (Unit::ReadDone(_), Resp::Read { .. })
+                    | (Unit::Atomic(_), Resp::Atomic { .. }) => p.wait_resp,
+                    _ => false,
+                });
         let Some(p) = found else {
-            return Err(violation(term::INVALID_OPCODE, format!("{unit:?} with no request waiting for it")));
+            return Err(violation(
+                term::INVALID_OPCODE,
+                format!("{unit:?} with no request waiting for it"),
+            ));
         };
         match (&unit, &p.resp) {
             (Unit::WriteAck, _) => p.wait_write -= 1,
             (Unit::MessageAck, _) => p.wait_msg -= 1,
             (Unit::ReadDone(s), Resp::Read { sink }) if s == sink => p.wait_resp = false,
-            (Unit::Atomic(a), Resp::Atomic { req_id, result, offset }) if *req_id == a.req_id => {
+            (
+                Unit::Atomic(a),
+                Resp::Atomic {
+                    req_id,
+                    result,
+                    offset,
+                },
+            ) if *req_id == a.req_id => {
                 result.write(*offset, &a.original.to_ne_bytes());
                 p.wait_resp = false;
             }
-            _ => return Err(violation(term::INVALID_OPCODE, format!("{unit:?} does not answer the oldest outstanding request of its kind"))),
+            _ => {
+                return Err(violation(
+                    term::INVALID_OPCODE,
+                    format!("{unit:?} does not answer the oldest outstanding request of its kind"),
+                ))
+            }
         }
         if p.is_read_like() && !p.wait_resp {
             st.reads_out -= 1;

@@ -271,10 +271,15 @@ impl spi::Domain for TcpDomain {
 
     fn connect(&self, addr: SocketAddr, cfg: &EndpointConfig<'_, TcpCq>) -> Result<TcpEndpoint> {
         let sock = TcpStream::connect_timeout(&addr, cfg.timeout).map_err(|e| {
-            if matches!(e.kind(), std::io::ErrorKind::NetworkUnreachable | std::io::ErrorKind::HostUnreachable) {
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NetworkUnreachable | std::io::ErrorKind::HostUnreachable
+            ) {
                 // No route is the same failure as no answer: the peer cannot be reached.
                 return Error::new(ErrorKind::TimedOut, format!("{addr} is unreachable: {e}"))
-                    .with_code(fabric_api::ProviderCode::Errno(e.raw_os_error().unwrap_or(0)));
+                    .with_code(fabric_api::ProviderCode::Errno(
+                        e.raw_os_error().unwrap_or(0),
+                    ));
             }
             let e: Error = e.into();
             match e.kind() {

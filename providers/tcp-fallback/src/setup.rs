@@ -16,6 +16,12 @@ pub(crate) const IRD: u16 = 64;
 /// Outbound reads and atomics we want in flight (ORD).
 pub(crate) const ORD: u16 = 64;
 
+/// Reads and atomics we may have in flight: our ORD, bounded by the peer's IRD (RFC 6581);
+/// one for a revision-1 peer, which does not say.
+fn our_ord(peer: Option<Enhanced>) -> u32 {
+    peer.map_or(1, |e| e.ird.clamp(1, ORD)).into()
+}
+
 fn protocol(what: impl Into<String>) -> Error {
     Error::new(ErrorKind::Protocol, what.into())
 }
@@ -114,7 +120,7 @@ pub(crate) fn initiate(
     Ok(Negotiated {
         features: setup.ext.map(|x| x.features & ours).unwrap_or(0),
         crc: rep.crc,
-        ord: setup.enhanced.map_or(1, |e| e.ird.min(ORD).max(1)).into(),
+        ord: our_ord(setup.enhanced),
         revision: rep.revision,
         peer_private: setup.user,
         expect_send_rtr: false,
@@ -185,7 +191,7 @@ pub(crate) fn respond(
         }
         Enhanced {
             ird: IRD,
-            ord: ORD.min(e.ird).max(1),
+            ord: e.ird.clamp(1, ORD),
             peer_to_peer: e.peer_to_peer,
             rtr,
         }
@@ -216,7 +222,7 @@ pub(crate) fn respond(
     Ok(Negotiated {
         features: setup.ext.map(|x| x.features & ours).unwrap_or(0),
         crc,
-        ord: setup.enhanced.map_or(1, |e| e.ird.min(ORD).max(1)).into(),
+        ord: our_ord(setup.enhanced),
         revision,
         peer_private: setup.user,
         expect_send_rtr,

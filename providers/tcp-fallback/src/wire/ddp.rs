@@ -452,7 +452,11 @@ pub mod term {
     };
     /// RDMAP remote operation: the atomic's target word is not 8-byte aligned (our code;
     /// reported as RemoteInvalidRequest, as rxe reports a misaligned atomic).
-    pub const MISALIGNED_ATOMIC: Terminate = Terminate { layer: 0, etype: 2, ecode: 0x0a };
+    pub const MISALIGNED_ATOMIC: Terminate = Terminate {
+        layer: 0,
+        etype: 2,
+        ecode: 0x0a,
+    };
     /// RDMAP remote operation: unspecified.
     pub const REMOTE_OPERATION: Terminate = Terminate {
         layer: 0,

@@ -1,0 +1,365 @@
+//! The tcp provider against a raw socket speaking the RFC framing by hand: a peer that is
+//! not this framework (no extension block), and hostile bytes after a valid handshake.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fabric_api::spi::{CompletionQueue, Domain, Endpoint, EndpointConfig, Listener};
+use fabric_api::{Access, Buffer, EndpointState, ErrorKind, Opcode, RecvWr, SendWr, Status};
+use fabric_tcp::wire::ddp::{opcode, qn, Header, ReadRequest, Terminate};
+use fabric_tcp::wire::mpa::{self, Enhanced, MpaFrame, RtrKinds, Setup};
+use fabric_tcp::{TcpCq, TcpDomain, TcpEndpoint, TcpListener, TcpOptions};
+
+struct Server {
+    domain: TcpDomain,
+    cq: TcpCq,
+    listener: TcpListener,
+}
+
+fn server(opts: TcpOptions) -> Server {
+    let domain = TcpDomain::open(opts).unwrap();
+    let cq = domain.create_cq(64).unwrap();
+    let listener = domain.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    Server {
+        domain,
+        cq,
+        listener,
+    }
+}
+
+/// A raw client: sends an MPA request (revision, CRC wish, optional RFC 6581 block, no
+/// extension block: it looks like a foreign iWARP peer) and reads the reply.
+fn raw_connect(
+    addr: SocketAddr,
+    revision: u8,
+    crc: bool,
+    markers: bool,
+) -> (TcpStream, MpaFrame, Setup) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let setup = Setup {
+        enhanced: (revision >= 2).then_some(Enhanced {
+            ird: 8,
+            ord: 8,
+            peer_to_peer: false,
+            rtr: RtrKinds::default(),
+        }),
+        ext: None,
+        user: b"raw".to_vec(),
+    };
+    let req = MpaFrame {
+        reply: false,
+        markers,
+        crc,
+        reject: false,
+        revision,
+        private_data: setup.encode(),
+    };
+    s.write_all(&req.encode()).unwrap();
+    let mut h = [0u8; mpa::HEADER_LEN];
+    s.read_exact(&mut h).unwrap();
+    let (mut rep, pd_len) = MpaFrame::decode_header(&h, true).unwrap();
+    rep.private_data = vec![0; pd_len];
+    s.read_exact(&mut rep.private_data).unwrap();
+    let setup = Setup::decode(rep.revision, &rep.private_data).unwrap();
+    (s, rep, setup)
+}
+
+fn accept(srv: &Server, timeout: Duration) -> fabric_api::Result<TcpEndpoint> {
+    srv.listener.accept(&EndpointConfig::new(&srv.cq), timeout)
+}
+
+/// Encodes one FPDU: length, header, payload, pad, CRC (when `crc`).
+fn fpdu(h: Header, payload: &[u8], crc: bool) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(&((h.len() + payload.len()) as u16).to_be_bytes());
+    h.encode_into(&mut out);
+    out.extend_from_slice(payload);
+    out.resize(out.len() + mpa::pad_len(h.len() + payload.len()), 0);
+    let c = if crc { crc32c::crc32c(&out) } else { 0 };
+    out.extend_from_slice(&mpa::crc_bytes(c));
+    out
+}
+
+/// Reads one FPDU and returns its header and payload.
+fn read_fpdu(s: &mut TcpStream) -> (Header, Vec<u8>) {
+    let mut len = [0u8; 2];
+    s.read_exact(&mut len).unwrap();
+    let ulpdu = u16::from_be_bytes(len) as usize;
+    let mut body = vec![0u8; ulpdu + mpa::trailer_len(ulpdu)];
+    s.read_exact(&mut body).unwrap();
+    let h = Header::decode(&body[..ulpdu]).unwrap();
+    (h, body[h.len()..ulpdu].to_vec())
+}
+
+fn send(msn: u32, last: bool, mo: u32) -> Header {
+    Header::Untagged {
+        last,
+        opcode: opcode::SEND,
+        ulp: 0,
+        qn: qn::SEND,
+        msn,
+        mo,
+    }
+}
+
+fn wait_state(ep: &TcpEndpoint, want: EndpointState) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while ep.state() != want {
+        assert!(
+            Instant::now() < deadline,
+            "endpoint is {:?}, expected {want:?}",
+            ep.state()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn foreign_peer_gets_base_rdmap_and_no_extensions() {
+    let srv = server(TcpOptions::default());
+    let addr = srv.listener.local_addr();
+    let t = std::thread::spawn(move || raw_connect(addr, 2, false, false));
+    let ep = accept(&srv, Duration::from_secs(10)).unwrap();
+    let (mut raw, rep, setup) = t.join().unwrap();
+    assert_eq!(rep.revision, 2);
+    assert!(!rep.crc && !rep.reject && !rep.markers);
+    assert!(
+        setup.ext.is_none(),
+        "extension block offered to a peer that did not announce one"
+    );
+    assert_eq!(
+        setup.enhanced.unwrap().ord,
+        8,
+        "ORD must not exceed the peer's IRD"
+    );
+    assert_eq!(ep.peer_private_data(), b"raw");
+    assert_eq!(ep.negotiated().2, 0);
+
+    // Base RDMAP Send from the foreign peer, in two segments, lands in a posted receive.
+    let mr = srv
+        .domain
+        .register(Arc::new(Buffer::new(64)), Access::LOCAL_WRITE)
+        .unwrap();
+    ep.post_recv(&RecvWr::new(5, &[mr.all()])).unwrap();
+    raw.write_all(&fpdu(send(1, false, 0), b"hello ", false))
+        .unwrap();
+    raw.write_all(&fpdu(send(1, true, 6), b"iwarp", false))
+        .unwrap();
+    assert!(srv.cq.wait(Duration::from_secs(5)).unwrap());
+    let mut out = Vec::new();
+    srv.cq.poll(&mut out, 4).unwrap();
+    assert_eq!(out[0].context, 5);
+    assert_eq!(out[0].byte_len, 11);
+    assert_eq!(mr.buffer().to_vec(0, 11), b"hello iwarp");
+
+    // Extensions are refused at post time, with the reason.
+    let target = srv
+        .domain
+        .register(Arc::new(Buffer::new(8)), Access::LOCAL_WRITE)
+        .unwrap();
+    let e = ep
+        .post_send(&SendWr::fetch_add(1, target.all(), target.desc().at(0), 1))
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    assert!(e.message().contains("extension"), "{e}");
+
+    // An RDMA Read Request from the foreign peer is answered with a Read Response.
+    let exposed = srv
+        .domain
+        .register(
+            Arc::new(Buffer::from_slice(b"0123456789")),
+            Access::REMOTE_READ,
+        )
+        .unwrap();
+    let d = exposed.desc();
+    let rr = ReadRequest {
+        sink_stag: 0x77,
+        sink_to: 0x1000,
+        size: 4,
+        src_stag: d.key,
+        src_to: d.addr + 3,
+    };
+    raw.write_all(&fpdu(
+        Header::Untagged {
+            last: true,
+            opcode: opcode::READ_REQUEST,
+            ulp: 0,
+            qn: qn::READ,
+            msn: 1,
+            mo: 0,
+        },
+        &rr.encode(),
+        false,
+    ))
+    .unwrap();
+    let (h, payload) = read_fpdu(&mut raw);
+    assert_eq!(
+        h,
+        Header::Tagged {
+            last: true,
+            opcode: opcode::READ_RESPONSE,
+            stag: 0x77,
+            to: 0x1000
+        }
+    );
+    assert_eq!(payload, b"3456");
+
+    // And a send from our side arrives as plain RDMAP Send, completing without an ack.
+    let src = srv
+        .domain
+        .register(Arc::new(Buffer::from_slice(b"bye")), Access::empty())
+        .unwrap();
+    ep.post_send(&SendWr::send(9, &[src.all()])).unwrap();
+    let (h, payload) = read_fpdu(&mut raw);
+    assert_eq!(h, send(1, true, 0));
+    assert_eq!(payload, b"bye");
+    assert!(srv.cq.wait(Duration::from_secs(5)).unwrap());
+    out.clear();
+    srv.cq.poll(&mut out, 4).unwrap();
+    assert_eq!(
+        (out[0].context, out[0].opcode, out[0].status),
+        (9, Opcode::Send, Status::Success)
+    );
+}
+
+#[test]
+fn revision_1_request_gets_a_revision_1_reply() {
+    let srv = server(TcpOptions::default());
+    let addr = srv.listener.local_addr();
+    let t = std::thread::spawn(move || raw_connect(addr, 1, false, false));
+    let ep = accept(&srv, Duration::from_secs(10)).unwrap();
+    let (_raw, rep, setup) = t.join().unwrap();
+    assert_eq!(rep.revision, 1);
+    assert!(setup.enhanced.is_none());
+    assert_eq!(ep.negotiated().0, 1);
+}
+
+#[test]
+fn markers_are_rejected_with_a_reason_and_the_listener_survives() {
+    let srv = server(TcpOptions::default());
+    let addr = srv.listener.local_addr();
+    let t = std::thread::spawn(move || raw_connect(addr, 2, false, true));
+    assert_eq!(
+        accept(&srv, Duration::from_millis(1500))
+            .unwrap_err()
+            .kind(),
+        ErrorKind::TimedOut
+    );
+    let (_raw, rep, setup) = t.join().unwrap();
+    assert!(rep.reject);
+    assert!(
+        String::from_utf8_lossy(&setup.user).contains("markers"),
+        "{:?}",
+        setup.user
+    );
+    // A good client is still served.
+    let t = std::thread::spawn(move || raw_connect(addr, 2, false, false));
+    accept(&srv, Duration::from_secs(10)).unwrap();
+    assert!(!t.join().unwrap().1.reject);
+}
+
+fn expect_terminate(raw: &mut TcpStream, want: Terminate) {
+    let (h, payload) = read_fpdu(raw);
+    match h {
+        Header::Untagged {
+            opcode: opcode::TERMINATE,
+            qn: qn::TERMINATE,
+            ..
+        } => {}
+        other => panic!("expected a Terminate, got {other:?}"),
+    }
+    assert_eq!(Terminate::decode(&payload).unwrap(), want);
+    let mut rest = Vec::new();
+    raw.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "bytes after Terminate");
+}
+
+fn connected_raw(crc: bool) -> (Server, TcpEndpoint, TcpStream) {
+    let srv = server(TcpOptions::default());
+    let addr = srv.listener.local_addr();
+    let t = std::thread::spawn(move || raw_connect(addr, 2, crc, false));
+    let ep = accept(&srv, Duration::from_secs(10)).unwrap();
+    let (raw, rep, _) = t.join().unwrap();
+    assert_eq!(rep.crc, crc, "CRC asked for by the initiator must be used");
+    (srv, ep, raw)
+}
+
+#[test]
+fn write_with_an_invalid_stag_is_terminated() {
+    let (srv, ep, mut raw) = connected_raw(false);
+    let mr = srv
+        .domain
+        .register(
+            Arc::new(Buffer::new(64)),
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        )
+        .unwrap();
+    let d = mr.desc();
+    let h = Header::Tagged {
+        last: true,
+        opcode: opcode::WRITE,
+        stag: d.key.wrapping_add(1),
+        to: d.addr,
+    };
+    raw.write_all(&fpdu(h, &[0xee; 32], false)).unwrap();
+    expect_terminate(&mut raw, fabric_tcp::wire::ddp::term::INVALID_STAG);
+    wait_state(&ep, EndpointState::Error);
+    assert!(mr.buffer().to_vec(0, 64).iter().all(|&b| b == 0));
+}
+
+#[test]
+fn bad_ddp_version_is_terminated_not_a_crash() {
+    let (_srv, ep, mut raw) = connected_raw(false);
+    let mut bytes = fpdu(send(1, true, 0), b"x", false);
+    bytes[2] = 0x42; // DDP version 2
+    raw.write_all(&bytes).unwrap();
+    expect_terminate(
+        &mut raw,
+        Terminate {
+            layer: 0,
+            etype: 2,
+            ecode: 0x05,
+        },
+    );
+    wait_state(&ep, EndpointState::Error);
+}
+
+#[test]
+fn crc_mismatch_is_terminated() {
+    let (srv, ep, mut raw) = connected_raw(true);
+    let mr = srv
+        .domain
+        .register(Arc::new(Buffer::new(64)), Access::LOCAL_WRITE)
+        .unwrap();
+    ep.post_recv(&RecvWr::new(1, &[mr.all()])).unwrap();
+    // A correct CRC is accepted...
+    raw.write_all(&fpdu(send(1, true, 0), b"good", true))
+        .unwrap();
+    assert!(srv.cq.wait(Duration::from_secs(5)).unwrap());
+    // ...a corrupted one is not.
+    let mut bytes = fpdu(send(2, true, 0), b"evil", true);
+    let n = bytes.len();
+    bytes[n - 1] ^= 0xff;
+    raw.write_all(&bytes).unwrap();
+    expect_terminate(&mut raw, fabric_tcp::wire::ddp::term::CRC);
+    wait_state(&ep, EndpointState::Error);
+}
+
+#[test]
+fn wrong_msn_and_short_ulpdu_are_terminated() {
+    let (_srv, ep, mut raw) = connected_raw(false);
+    raw.write_all(&fpdu(send(7, true, 0), b"out of sequence", false))
+        .unwrap();
+    expect_terminate(&mut raw, fabric_tcp::wire::ddp::term::FPDU);
+    wait_state(&ep, EndpointState::Error);
+
+    let (_srv, ep, mut raw) = connected_raw(false);
+    // ULPDU length 4 claims less than an untagged header.
+    raw.write_all(&[0, 4, 0x41, 0x43, 0, 0, 0, 0, 0, 0])
+        .unwrap();
+    expect_terminate(&mut raw, fabric_tcp::wire::ddp::term::FPDU);
+    wait_state(&ep, EndpointState::Error);
+}
