@@ -4,6 +4,7 @@
 mod demo;
 mod info;
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -42,6 +43,17 @@ enum Cmd {
         #[arg(long)]
         list: bool,
     },
+    /// Print a saved JSON conformance report as text or JUnit; exit non-zero on any fail.
+    Report {
+        /// The JSON file (`fabric conformance --format json > FILE`).
+        file: PathBuf,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+        /// Providers that must have run: a no-device outcome for one of them is a failure.
+        #[arg(long, value_delimiter = ',')]
+        require_device: Vec<String>,
+    },
     /// The peer process of multi-process conformance cases (internal).
     #[command(hide = true)]
     Peer {
@@ -75,6 +87,11 @@ fn main() -> ExitCode {
             filter,
             list,
         } => conformance(&provider, format, filter.as_deref(), list),
+        Cmd::Report {
+            file,
+            format,
+            require_device,
+        } => report(&file, format, &require_device),
         Cmd::Peer { args } => return ExitCode::from(fabric_conformance::peer::main(&args) as u8),
     };
     match result {
@@ -127,10 +144,41 @@ fn conformance(
     if report.cases.is_empty() {
         return Err(format!("no case matches the filter {filter:?}"));
     }
+    print_report(&report, format);
+    Ok(if report.any_fail() {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn print_report(report: &fabric_conformance::Report, format: Format) {
     match format {
         Format::Text => print!("{}", report.to_text()),
         Format::Json => println!("{}", report.to_json()),
         Format::Junit => print!("{}", report.to_junit()),
+    }
+}
+
+fn report(file: &Path, format: Format, require_device: &[String]) -> Result<ExitCode, String> {
+    let text = std::fs::read_to_string(file)
+        .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+    let report = fabric_conformance::Report::from_json(&text)
+        .map_err(|e| format!("{}: {e}", file.display()))?;
+    print_report(&report, format);
+    let missing: Vec<&fabric_conformance::CaseResult> = report
+        .cases
+        .iter()
+        .filter(|c| c.outcome == "no-device" && require_device.contains(&c.provider))
+        .collect();
+    if let Some(c) = missing.first() {
+        eprintln!(
+            "fabric: {} case(s) of required provider(s) could not run: {}: {}",
+            missing.len(),
+            c.provider,
+            c.detail
+        );
+        return Ok(ExitCode::from(1));
     }
     Ok(if report.any_fail() {
         ExitCode::from(1)

@@ -68,20 +68,39 @@ pub struct Ctx {
     pub timeout: Duration,
 }
 
+fn bind_addr(provider: &str) -> IpAddr {
+    let guest = match provider {
+        "roce" => Some("FABRIC_SOFT_RDMA_RXE_ADDR"),
+        "iwarp" => Some("FABRIC_SOFT_RDMA_SIW_ADDR"),
+        _ => None,
+    };
+    [
+        Some(format!(
+            "FABRIC_CONFORMANCE_ADDR_{}",
+            provider.to_uppercase()
+        )),
+        Some("FABRIC_CONFORMANCE_ADDR".into()),
+        guest.map(Into::into),
+    ]
+    .into_iter()
+    .flatten()
+    .find_map(|var| std::env::var(var).ok().and_then(|a| a.parse().ok()))
+    .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+}
+
 /// Per-case time limit.
 pub const CASE_LIMIT: Duration = Duration::from_secs(90);
 
 impl Ctx {
-    /// A context for `provider`.
+    /// A context for `provider`. The address its endpoints listen on comes from
+    /// `FABRIC_CONFORMANCE_ADDR_<PROVIDER>`, else `FABRIC_CONFORMANCE_ADDR`, else the
+    /// soft-RDMA guest's address for that provider (`FABRIC_SOFT_RDMA_RXE_ADDR` for roce,
+    /// `FABRIC_SOFT_RDMA_SIW_ADDR` for iwarp), else 127.0.0.1.
     pub fn new(provider: &str, peer_exe: Option<PathBuf>) -> Self {
-        let bind = std::env::var("FABRIC_CONFORMANCE_ADDR")
-            .ok()
-            .and_then(|a| a.parse().ok())
-            .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
         Ctx {
             provider: provider.to_string(),
             peer_exe,
-            bind,
+            bind: bind_addr(provider),
             timeout: Duration::from_secs(10),
         }
     }

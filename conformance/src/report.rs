@@ -3,10 +3,10 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// One case on one provider.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CaseResult {
     /// Case name.
     pub name: String,
@@ -19,12 +19,12 @@ pub struct CaseResult {
     /// Why (failure message, unsupported reason, missing device), or what was checked.
     pub detail: String,
     /// Seconds taken.
-    #[serde(skip)]
+    #[serde(default)]
     pub seconds: f64,
 }
 
 /// The whole run.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
     /// Providers, in the order run.
     pub providers: Vec<String>,
@@ -47,7 +47,12 @@ impl Report {
         m
     }
 
-    /// JSON: `{"providers": [...], "cases": [{"name","section","provider","outcome","detail"}]}`.
+    /// Reads a report written by [`to_json`](Self::to_json).
+    pub fn from_json(text: &str) -> Result<Self, String> {
+        serde_json::from_str(text).map_err(|e| format!("not a conformance report: {e}"))
+    }
+
+    /// JSON: `{"providers": [...], "cases": [{"name","section","provider","outcome","detail","seconds"}]}`.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("report serialises")
     }
