@@ -171,6 +171,33 @@ fn serve(domain: &AnyDomain, listener: &AnyListener) -> Result<(), String> {
     }
 }
 
+/// Posts `iters` requests keeping the send queue busy: every `WINDOW`-th request is
+/// signaled, and at most two windows are outstanding.
+fn stream<'a>(
+    ep: &AnyEndpoint,
+    cq: &AnyCq,
+    iters: u64,
+    wr: impl Fn(u64) -> SendWr<'a>,
+) -> Result<(), String> {
+    const WINDOW: u64 = 64;
+    let mut waiting: Option<u64> = None;
+    for i in 0..iters {
+        let last_of_window = i % WINDOW == WINDOW - 1 || i + 1 == iters;
+        let w = wr(i);
+        ep.post_send(&if last_of_window { w } else { w.unsignaled() })
+            .map_err(e("post"))?;
+        if last_of_window {
+            if let Some(prev) = waiting.replace(i) {
+                wait(cq, prev)?;
+            }
+        }
+    }
+    match waiting {
+        Some(last) => wait(cq, last).map(|_| ()),
+        None => Ok(()),
+    }
+}
+
 struct Row {
     op: &'static str,
     bytes: u64,
@@ -259,12 +286,7 @@ fn client(domain: &AnyDomain, addr: SocketAddr, args: &DemoArgs) -> Result<(), S
     }
     let src = [local.slice(0..size).map_err(e("slice"))?];
     let t = Instant::now();
-    for i in 0..iters {
-        let wr = SendWr::write(i, &src, remote.at(64));
-        ep.post_send(&if i + 1 == iters { wr } else { wr.unsignaled() })
-            .map_err(e("post write"))?;
-    }
-    wait(&cq, iters - 1)?;
+    stream(&ep, &cq, iters, |i| SendWr::write(i, &src, remote.at(64)))?;
     rows.push(Row {
         op: "write",
         bytes: size as u64,
@@ -278,12 +300,7 @@ fn client(domain: &AnyDomain, addr: SocketAddr, args: &DemoArgs) -> Result<(), S
         .map_err(e("register"))?;
     let dst = [sink.all()];
     let t = Instant::now();
-    for i in 0..iters {
-        let wr = SendWr::read(i, &dst, remote.at(64));
-        ep.post_send(&if i + 1 == iters { wr } else { wr.unsignaled() })
-            .map_err(e("post read"))?;
-    }
-    wait(&cq, iters - 1)?;
+    stream(&ep, &cq, iters, |i| SendWr::read(i, &dst, remote.at(64)))?;
     rows.push(Row {
         op: "read",
         bytes: size as u64,
