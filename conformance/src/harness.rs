@@ -145,7 +145,6 @@ impl Ctx {
         let listener = db
             .listen(self.any_port())
             .map_err(|e| format!("listen: {e}"))?;
-        let addr = listener.local_addr();
         let mut cfg_a = EndpointConfig::new(&cqa);
         cfg_a.sq_depth = opts.sq_depth;
         cfg_a.rq_depth = opts.rq_depth;
@@ -154,13 +153,7 @@ impl Ctx {
         cfg_b.sq_depth = opts.sq_depth;
         cfg_b.rq_depth = opts.rq_depth;
         cfg_b.private_data = &opts.private_b;
-        let (a, b) = std::thread::scope(|s| {
-            let ha = s.spawn(|| da.connect(addr, &cfg_a));
-            let b = listener.accept(&cfg_b, self.timeout);
-            (ha.join().expect("connect thread"), b)
-        });
-        let a = a.map_err(|e| format!("connect: {e}"))?;
-        let b = b.map_err(|e| format!("accept: {e}"))?;
+        let (a, b) = connect_accept(&listener, &da, &cfg_a, &cfg_b, self.timeout)?;
         Ok(Pair {
             da,
             db,
@@ -169,6 +162,31 @@ impl Ctx {
             a,
             b,
         })
+    }
+
+    /// A server domain listening, with no client yet (see [`Star::connect`]).
+    pub fn listening(&self) -> Result<Star, String> {
+        let server = self.domain()?;
+        let server_cq = server
+            .create_cq(1024)
+            .map_err(|e| format!("create_cq: {e}"))?;
+        let listener = server
+            .listen(self.any_port())
+            .map_err(|e| format!("listen: {e}"))?;
+        Ok(Star {
+            server,
+            server_cq,
+            listener,
+            clients: Vec::new(),
+            accepted: Vec::new(),
+        })
+    }
+
+    /// `n` clients, each in its own domain, connected to one listener of one server domain.
+    pub fn star(&self, n: usize) -> Result<Star, String> {
+        let mut star = self.listening()?;
+        star.connect(self, n)?;
+        Ok(star)
     }
 
     /// Starts a peer process (see [`crate::peer`]) and connects to it.
@@ -219,6 +237,76 @@ pub struct Pair {
     pub a: AnyEndpoint,
     /// The accepting endpoint.
     pub b: AnyEndpoint,
+}
+
+/// Connects `client` to `listener` and accepts it, concurrently; returns (connected, accepted).
+fn connect_accept(
+    listener: &AnyListener,
+    client: &AnyDomain,
+    client_cfg: &EndpointConfig<'_, AnyCq>,
+    server_cfg: &EndpointConfig<'_, AnyCq>,
+    timeout: Duration,
+) -> Result<(AnyEndpoint, AnyEndpoint), String> {
+    let addr = listener.local_addr();
+    let (c, s) = std::thread::scope(|s| {
+        let h = s.spawn(|| client.connect(addr, client_cfg));
+        let accepted = listener.accept(server_cfg, timeout);
+        (h.join().expect("connect thread"), accepted)
+    });
+    Ok((
+        c.map_err(|e| format!("connect: {e}"))?,
+        s.map_err(|e| format!("accept: {e}"))?,
+    ))
+}
+
+/// One client of a [`Star`].
+#[derive(Debug)]
+pub struct Client {
+    /// The client's own domain.
+    pub domain: AnyDomain,
+    /// Its completion queue.
+    pub cq: AnyCq,
+    /// Its endpoint, connected to the server.
+    pub ep: AnyEndpoint,
+}
+
+/// Many clients connected to one listener of one server domain.
+#[derive(Debug)]
+pub struct Star {
+    /// The server's domain.
+    pub server: AnyDomain,
+    /// The server's completion queue (all accepted endpoints).
+    pub server_cq: AnyCq,
+    /// The listener.
+    pub listener: AnyListener,
+    /// The clients, in connection order.
+    pub clients: Vec<Client>,
+    /// The server's endpoints, `accepted[i]` connected to `clients[i]`.
+    pub accepted: Vec<AnyEndpoint>,
+}
+
+impl Star {
+    /// Connects `n` more clients, one after the other.
+    pub fn connect(&mut self, ctx: &Ctx, n: usize) -> CaseResultOf {
+        for i in 0..n {
+            let domain = ctx.domain()?;
+            let cq = domain
+                .create_cq(512)
+                .map_err(|e| format!("create_cq: {e}"))?;
+            let server_cfg = EndpointConfig::new(&self.server_cq);
+            let (ep, accepted) = connect_accept(
+                &self.listener,
+                &domain,
+                &EndpointConfig::new(&cq),
+                &server_cfg,
+                ctx.timeout,
+            )
+            .map_err(|e| format!("client {i}: {e}"))?;
+            self.accepted.push(accepted);
+            self.clients.push(Client { domain, cq, ep });
+        }
+        Ok(())
+    }
 }
 
 /// Registers `len` bytes with `access` in `d`.

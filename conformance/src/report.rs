@@ -93,16 +93,30 @@ impl Report {
             let summary: Vec<String> = counts.iter().map(|(k, v)| format!("{v} {k}")).collect();
             let _ = writeln!(out, "{p}: {}", summary.join(", "));
         }
-        let notes: Vec<&CaseResult> = self.cases.iter().filter(|c| c.outcome != "pass").collect();
-        if !notes.is_empty() {
-            out.push('\n');
-            for c in notes {
-                let _ = writeln!(
-                    out,
-                    "{} [{}] {}: {}",
-                    c.outcome, c.provider, c.name, c.detail
-                );
+        // Failures one per line; a reason shared by many cases (no device, unsupported) once.
+        let mut grouped: Vec<(&str, &str, &str, Vec<&str>)> = Vec::new();
+        for c in self.cases.iter().filter(|c| c.outcome != "pass") {
+            if c.outcome == "fail" {
+                grouped.push((&c.outcome, &c.provider, &c.detail, vec![&c.name]));
+            } else if let Some(g) = grouped
+                .iter_mut()
+                .find(|g| g.0 == c.outcome && g.1 == c.provider && g.2 == c.detail)
+            {
+                g.3.push(&c.name);
+            } else {
+                grouped.push((&c.outcome, &c.provider, &c.detail, vec![&c.name]));
             }
+        }
+        if !grouped.is_empty() {
+            out.push('\n');
+        }
+        for (outcome, provider, detail, names) in grouped {
+            let which = if names.len() > 3 {
+                format!("{} cases", names.len())
+            } else {
+                names.join(", ")
+            };
+            let _ = writeln!(out, "{outcome} [{provider}] {which}: {detail}");
         }
         out
     }

@@ -7,7 +7,7 @@ use fabric::prelude::*;
 use super::cases;
 use crate::ensure;
 use crate::harness::{
-    expect_err, expect_ok, next, region, wait_state, Case, CaseResultOf, Ctx, Ctxt,
+    expect_err, expect_ok, next, region, wait_state, Case, CaseResultOf, Client, Ctx, Ctxt, Star,
 };
 use crate::peer::pattern;
 
@@ -274,52 +274,6 @@ fn needs_remote_atomic(ctx: &Ctx) -> CaseResultOf {
     Ok(())
 }
 
-/// One client of a [`Star`]: its own domain, queue and endpoint.
-#[derive(Debug)]
-struct Client {
-    cq: AnyCq,
-    ep: AnyEndpoint,
-    domain: AnyDomain,
-}
-
-/// `n` clients, each in its own domain, connected to one listener of one target domain.
-#[derive(Debug)]
-struct Star {
-    clients: Vec<Client>,
-    _accepted: Vec<AnyEndpoint>,
-    _target_cq: AnyCq,
-    target: AnyDomain,
-}
-
-fn star(ctx: &Ctx, n: usize) -> Result<Star, String> {
-    let target = ctx.domain()?;
-    let target_cq = target.create_cq(256).ctx("create_cq")?;
-    let listener = target.listen(ctx.any_port()).ctx("listen")?;
-    let addr = listener.local_addr();
-    let tcfg = EndpointConfig::new(&target_cq);
-    let mut clients = Vec::with_capacity(n);
-    let mut accepted = Vec::with_capacity(n);
-    for i in 0..n {
-        let domain = ctx.domain()?;
-        let cq = domain.create_cq(512).ctx("create_cq")?;
-        let cfg = EndpointConfig::new(&cq);
-        let (c, s) = std::thread::scope(|s| {
-            let h = s.spawn(|| domain.connect(addr, &cfg));
-            let b = listener.accept(&tcfg, ctx.timeout);
-            (h.join().expect("connect thread"), b)
-        });
-        let ep = c.ctx(&format!("connect client {i}"))?;
-        accepted.push(s.ctx(&format!("accept client {i}"))?);
-        clients.push(Client { cq, ep, domain });
-    }
-    Ok(Star {
-        clients,
-        _accepted: accepted,
-        _target_cq: target_cq,
-        target,
-    })
-}
-
 /// Runs `f` for every client on its own thread and collects the results in client order.
 fn on_each<T: Send>(
     star: &Star,
@@ -351,8 +305,8 @@ fn many_endpoints(ctx: &Ctx) -> CaseResultOf {
     const CLIENTS: usize = 8;
     const EACH: usize = 250;
     const WINDOW: usize = 16;
-    let star = star(ctx, CLIENTS)?;
-    let counter = region(&star.target, 64, atomic_access())?;
+    let star = ctx.star(CLIENTS)?;
+    let counter = region(&star.server, 64, atomic_access())?;
     counter.buffer().fill(0, 64, FENCE_BYTE);
     set_word(&counter, 16, 0);
     let at = counter.desc().at(16);
@@ -403,9 +357,9 @@ fn many_endpoints(ctx: &Ctx) -> CaseResultOf {
 fn cas_lock(ctx: &Ctx) -> CaseResultOf {
     const CLIENTS: usize = 4;
     const ROUNDS: usize = 50;
-    let star = star(ctx, CLIENTS)?;
+    let star = ctx.star(CLIENTS)?;
     let shared = region(
-        &star.target,
+        &star.server,
         128,
         Access::LOCAL_WRITE | Access::REMOTE_ATOMIC | Access::REMOTE_READ | Access::REMOTE_WRITE,
     )?;

@@ -23,12 +23,30 @@ pub(super) fn cases() -> Vec<Case> {
 
 fn oversized_private_data(ctx: &Ctx) -> CaseResultOf {
     let max = ctx.info().caps.limits.max_private_data as usize;
-    match ctx.pair_with(PairOpts { private_a: vec![7; max + 1], ..PairOpts::default() }) {
+    match ctx.pair_with(PairOpts {
+        private_a: vec![7; max + 1],
+        ..PairOpts::default()
+    }) {
         Err(e) if e.contains("InvalidArgument") => {}
-        Err(e) => return Err(format!("{} bytes of private data (max {max}): unclear error {e}", max + 1)),
-        Ok(_) => return Err(format!("{} bytes of private data (max {max}) were accepted", max + 1)),
+        Err(e) => {
+            return Err(format!(
+                "{} bytes of private data (max {max}): unclear error {e}",
+                max + 1
+            ))
+        }
+        Ok(_) => {
+            return Err(format!(
+                "{} bytes of private data (max {max}) were accepted",
+                max + 1
+            ))
+        }
     }
-    ctx.pair_with(PairOpts { private_a: vec![7; max], ..PairOpts::default() }).map(|_| ()).map_err(|e| format!("exactly {max} bytes of private data: {e}"))
+    ctx.pair_with(PairOpts {
+        private_a: vec![7; max],
+        ..PairOpts::default()
+    })
+    .map(|_| ())
+    .map_err(|e| format!("exactly {max} bytes of private data: {e}"))
 }
 
 fn bad_depths(ctx: &Ctx) -> CaseResultOf {
@@ -39,9 +57,15 @@ fn bad_depths(ctx: &Ctx) -> CaseResultOf {
     }
     let max_cq = ctx.info().caps.limits.max_cq_entries as usize;
     if d.create_cq(max_cq + 1).is_ok() {
-        return Err(format!("create_cq({}) above the advertised max {max_cq} succeeded", max_cq + 1));
+        return Err(format!(
+            "create_cq({}) above the advertised max {max_cq} succeeded",
+            max_cq + 1
+        ));
     }
-    match ctx.pair_with(PairOpts { sq_depth: 0, ..PairOpts::default() }) {
+    match ctx.pair_with(PairOpts {
+        sq_depth: 0,
+        ..PairOpts::default()
+    }) {
         Err(e) if e.contains("InvalidArgument") => {}
         other => return Err(format!("send queue depth 0: {:?}", other.map(|_| ()))),
     }
@@ -52,18 +76,32 @@ fn atomic_result_size(ctx: &Ctx) -> CaseResultOf {
     let p = ctx.pair()?;
     let r = region(&p.da, 16, Access::LOCAL_WRITE)?;
     let t = region(&p.db, 16, Access::all())?;
-    match p.a.post_send(&SendWr::fetch_add(1, r.slice(0..4).ctx("s")?, t.desc().at(0), 1)) {
+    match p.a.post_send(&SendWr::fetch_add(
+        1,
+        r.slice(0..4).ctx("s")?,
+        t.desc().at(0),
+        1,
+    )) {
         Err(e) if e.kind() == ErrorKind::InvalidArgument => Ok(()),
-        other => Err(format!("atomic with a 4-byte result buffer returned {other:?}")),
+        other => Err(format!(
+            "atomic with a 4-byte result buffer returned {other:?}"
+        )),
     }
 }
 
 fn bad_config(_ctx: &Ctx) -> CaseResultOf {
     match Selector::new().providers("tcp,infiniband") {
-        Err(e) if e.kind() == ErrorKind::Config && e.message().contains("ib, roce, iwarp, tcp") => {}
+        Err(e) if e.kind() == ErrorKind::Config && e.message().contains("ib, roce, iwarp, tcp") => {
+        }
         other => return Err(format!("unknown provider name: {other:?}")),
     }
-    for text in ["provider = 3", "provider = \"tcp\"\nbogus = 1", "require = [\"WARP\"]", "[tcp]\ncrc = \"yes\"", "\u{0}\u{1}"] {
+    for text in [
+        "provider = 3",
+        "provider = \"tcp\"\nbogus = 1",
+        "require = [\"WARP\"]",
+        "[tcp]\ncrc = \"yes\"",
+        "\u{0}\u{1}",
+    ] {
         match Selector::new().config_str(text) {
             Err(e) if e.kind() == ErrorKind::Config && !e.message().is_empty() => {}
             other => return Err(format!("config {text:?} returned {other:?}")),
@@ -73,12 +111,15 @@ fn bad_config(_ctx: &Ctx) -> CaseResultOf {
 }
 
 fn garbage_to_listener(ctx: &Ctx) -> CaseResultOf {
-    let server = ctx.domain()?;
-    let scq = server.create_cq(16).ctx("cq")?;
-    let l = server.listen(ctx.any_port()).ctx("listen")?;
-    let addr = l.local_addr();
+    let mut star = ctx.listening()?;
+    let addr = star.listener.local_addr();
     // Hostile clients: garbage, a truncated request, an oversized length, silence.
-    let garbage: [&[u8]; 4] = [b"GET / HTTP/1.1\r\n\r\n", b"MPA ID Req Fr", &[0xff; 64], b""];
+    let garbage: [&[u8]; 4] = [
+        b"GET / HTTP/1.1\r\n\r\n",
+        b"MPA ID Req Fr",
+        &[0xff; 64],
+        b"",
+    ];
     let mut held = Vec::new();
     for g in garbage {
         if let Ok(mut s) = std::net::TcpStream::connect(addr) {
@@ -88,22 +129,24 @@ fn garbage_to_listener(ctx: &Ctx) -> CaseResultOf {
     }
     drop(held);
     // The listener still serves a well-behaved client.
-    let client = ctx.domain()?;
-    let ccq = client.create_cq(16).ctx("cq")?;
-    let (ep, acc) = std::thread::scope(|s| {
-        let h = s.spawn(|| client.connect(addr, &EndpointConfig::new(&ccq)));
-        let acc = l.accept(&EndpointConfig::new(&scq), Duration::from_secs(15));
-        (h.join().expect("connect thread"), acc)
-    });
-    let ep = ep.ctx("good client connect")?;
-    let acc = acc.ctx("accept after garbage")?;
-    let rq = region(&server, 16, Access::LOCAL_WRITE)?;
-    acc.post_recv(&RecvWr::new(1, &[rq.all()])).ctx("post_recv")?;
-    let m = region(&client, 5, Access::empty())?;
+    star.connect(ctx, 1)
+        .map_err(|e| format!("good client after garbage: {e}"))?;
+    let rq = region(&star.server, 16, Access::LOCAL_WRITE)?;
+    star.accepted[0]
+        .post_recv(&RecvWr::new(1, &[rq.all()]))
+        .ctx("post_recv")?;
+    let client = &star.clients[0];
+    let m = region(&client.domain, 5, Access::empty())?;
     m.buffer().write(0, b"still");
-    ep.post_send(&SendWr::send(2, &[m.all()])).ctx("post_send")?;
-    expect_ok(&scq, 1, Opcode::Recv)?;
-    ensure!(rq.buffer().to_vec(0, 5) == b"still", "message after garbage corrupted");
+    client
+        .ep
+        .post_send(&SendWr::send(2, &[m.all()]))
+        .ctx("post_send")?;
+    expect_ok(&star.server_cq, 1, Opcode::Recv)?;
+    ensure!(
+        rq.buffer().to_vec(0, 5) == b"still",
+        "message after garbage corrupted"
+    );
     Ok(())
 }
 
@@ -112,16 +155,27 @@ fn keeps_acknowledged(ctx: &Ctx) -> CaseResultOf {
     let src = region(&p.da, 4096, Access::empty())?;
     src.buffer().fill(0, 4096, 0x6b);
     let t = region(&p.db, 8192, Access::all())?;
-    p.a.post_send(&SendWr::write(1, &[src.all()], t.desc().at(0))).ctx("post")?;
+    p.a.post_send(&SendWr::write(1, &[src.all()], t.desc().at(0)))
+        .ctx("post")?;
     expect_ok(&p.cqa, 1, Opcode::Write)?;
     // A later hostile request (bad key) breaks the connection but must not undo or
     // disturb what was already acknowledged.
     let mut bad = t.desc().at(4096);
     bad.key = bad.key.wrapping_add(1);
-    p.a.post_send(&SendWr::write(2, &[src.all()], bad)).ctx("post bad")?;
+    p.a.post_send(&SendWr::write(2, &[src.all()], bad))
+        .ctx("post bad")?;
     let c = crate::harness::next(&p.cqa, Duration::from_secs(10))?;
-    ensure!(c.status == Status::Error(ErrorKind::RemoteAccess), "bad-key write completed {c:?}");
-    ensure!(t.buffer().to_vec(0, 4096).iter().all(|&b| b == 0x6b), "acknowledged data changed after the error");
-    ensure!(t.buffer().to_vec(4096, 4096).iter().all(|&b| b == 0), "refused write touched memory");
+    ensure!(
+        c.status == Status::Error(ErrorKind::RemoteAccess),
+        "bad-key write completed {c:?}"
+    );
+    ensure!(
+        t.buffer().to_vec(0, 4096).iter().all(|&b| b == 0x6b),
+        "acknowledged data changed after the error"
+    );
+    ensure!(
+        t.buffer().to_vec(4096, 4096).iter().all(|&b| b == 0),
+        "refused write touched memory"
+    );
     Ok(())
 }

@@ -8,7 +8,9 @@ use fabric::prelude::*;
 
 use super::cases;
 use crate::ensure;
-use crate::harness::{all_access, expect_err, expect_ok, region, wait_state, Case, CaseResultOf, Ctx, Ctxt, Pair};
+use crate::harness::{
+    all_access, expect_err, expect_ok, region, wait_state, Case, CaseResultOf, Ctx, Ctxt, Pair,
+};
 
 pub(super) fn cases() -> Vec<Case> {
     cases! {
@@ -31,14 +33,28 @@ pub(super) fn cases() -> Vec<Case> {
 
 fn remote_needs_local_write(ctx: &Ctx) -> CaseResultOf {
     let d = ctx.domain()?;
-    for bad in [Access::REMOTE_WRITE, Access::REMOTE_ATOMIC, Access::REMOTE_WRITE | Access::REMOTE_READ] {
+    for bad in [
+        Access::REMOTE_WRITE,
+        Access::REMOTE_ATOMIC,
+        Access::REMOTE_WRITE | Access::REMOTE_READ,
+    ] {
         match d.register(Arc::new(Buffer::new(64)), bad) {
             Err(e) if e.kind() == ErrorKind::InvalidArgument => {}
-            other => return Err(format!("registering with {bad:?} returned {other:?}, expected InvalidArgument")),
+            other => {
+                return Err(format!(
+                    "registering with {bad:?} returned {other:?}, expected InvalidArgument"
+                ))
+            }
         }
     }
-    for good in [Access::REMOTE_READ, Access::LOCAL_WRITE | Access::REMOTE_WRITE, Access::all(), Access::empty()] {
-        d.register(Arc::new(Buffer::new(64)), good).ctx(&format!("registering with {good:?}"))?;
+    for good in [
+        Access::REMOTE_READ,
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        Access::all(),
+        Access::empty(),
+    ] {
+        d.register(Arc::new(Buffer::new(64)), good)
+            .ctx(&format!("registering with {good:?}"))?;
     }
     Ok(())
 }
@@ -47,28 +63,52 @@ fn descriptor_plain(ctx: &Ctx) -> CaseResultOf {
     let d = ctx.domain()?;
     let mr = region(&d, 12345, Access::LOCAL_WRITE | Access::REMOTE_READ)?;
     let desc = mr.desc();
-    ensure!(desc.addr == mr.buffer().addr(), "descriptor address {:#x} is not the buffer's {:#x}", desc.addr, mr.buffer().addr());
+    ensure!(
+        desc.addr == mr.buffer().addr(),
+        "descriptor address {:#x} is not the buffer's {:#x}",
+        desc.addr,
+        mr.buffer().addr()
+    );
     ensure!(desc.len == 12345, "descriptor length {}", desc.len);
     let back = RemoteDesc::from_bytes(&desc.to_bytes()).ctx("decode")?;
-    ensure!(back == desc, "descriptor does not survive its byte encoding");
-    ensure!(RemoteDesc::from_bytes(&desc.to_bytes()[..10]).is_err(), "a truncated descriptor decoded");
+    ensure!(
+        back == desc,
+        "descriptor does not survive its byte encoding"
+    );
+    ensure!(
+        RemoteDesc::from_bytes(&desc.to_bytes()[..10]).is_err(),
+        "a truncated descriptor decoded"
+    );
     Ok(())
 }
 
 fn keys_unguessable(ctx: &Ctx) -> CaseResultOf {
     let d = ctx.domain()?;
-    let regions: Vec<MemoryRegion> = (0..64).map(|_| region(&d, 64, Access::LOCAL_WRITE | Access::REMOTE_WRITE)).collect::<Result<_, _>>()?;
+    let regions: Vec<MemoryRegion> = (0..64)
+        .map(|_| region(&d, 64, Access::LOCAL_WRITE | Access::REMOTE_WRITE))
+        .collect::<Result<_, _>>()?;
     let keys: Vec<u32> = regions.iter().map(|r| r.desc().key).collect();
     let distinct: HashSet<u32> = keys.iter().copied().collect();
     ensure!(distinct.len() == keys.len(), "keys repeat: {keys:x?}");
     if ctx.provider == "tcp" {
         // The software provider's keys are random: consecutive registrations must not
         // produce nearby keys.
-        let close = keys.windows(2).filter(|w| w[1].abs_diff(w[0]) < 1 << 16).count();
-        ensure!(close <= 2, "{close} of 63 consecutive key pairs are within 65536 of each other: {keys:x?}");
+        let close = keys
+            .windows(2)
+            .filter(|w| w[1].abs_diff(w[0]) < 1 << 16)
+            .count();
+        ensure!(
+            close <= 2,
+            "{close} of 63 consecutive key pairs are within 65536 of each other: {keys:x?}"
+        );
         drop(regions);
-        let again: Vec<u32> = (0..64).map(|_| region(&d, 64, Access::LOCAL_WRITE).map(|r| r.desc().key)).collect::<Result<_, _>>()?;
-        ensure!(again.iter().all(|k| !distinct.contains(k)), "a freed key came back at once");
+        let again: Vec<u32> = (0..64)
+            .map(|_| region(&d, 64, Access::LOCAL_WRITE).map(|r| r.desc().key))
+            .collect::<Result<_, _>>()?;
+        ensure!(
+            again.iter().all(|k| !distinct.contains(k)),
+            "a freed key came back at once"
+        );
     }
     Ok(())
 }
@@ -86,14 +126,21 @@ fn remote_access_error(
     let target = region(&p.db, 4096, target_access)?;
     target.buffer().fill(0, 4096, 0x11);
     let rq = region(&p.db, 64, Access::LOCAL_WRITE)?;
-    p.b.post_recv(&RecvWr::new(70, &[rq.all()])).ctx("post_recv at target")?;
+    p.b.post_recv(&RecvWr::new(70, &[rq.all()]))
+        .ctx("post_recv at target")?;
     build(&p, &local, &target)?;
     let c = expect_err(&p.cqa, 1, ErrorKind::RemoteAccess)?;
-    ensure!(c.provider_code.is_some(), "error completion lost the provider's code: {c:?}");
+    ensure!(
+        c.provider_code.is_some(),
+        "error completion lost the provider's code: {c:?}"
+    );
     wait_state(&p.a, EndpointState::Error, Duration::from_secs(5))?;
     wait_state(&p.b, EndpointState::Error, Duration::from_secs(5))?;
     expect_err(&p.cqb, 70, ErrorKind::Flushed)?;
-    ensure!(target.buffer().to_vec(0, 4096).iter().all(|&b| b == 0x11), "refused access changed target memory");
+    ensure!(
+        target.buffer().to_vec(0, 4096).iter().all(|&b| b == 0x11),
+        "refused access changed target memory"
+    );
     Ok(())
 }
 
@@ -101,28 +148,61 @@ fn bad_key(ctx: &Ctx) -> CaseResultOf {
     remote_access_error(ctx, all_access(), |p, l, t| {
         let mut at = t.desc().at(0);
         at.key ^= 0x5a5a_0001;
-        p.a.post_send(&SendWr::write(1, &[l.slice(0..64).ctx("s")?], at)).ctx("post")
+        p.a.post_send(&SendWr::write(1, &[l.slice(0..64).ctx("s")?], at))
+            .ctx("post")
     })
 }
 
 fn write_oob(ctx: &Ctx) -> CaseResultOf {
-    remote_access_error(ctx, all_access(), |p, l, t| p.a.post_send(&SendWr::write(1, &[l.slice(0..64).ctx("s")?], t.desc().at(4096 - 32))).ctx("post"))
+    remote_access_error(ctx, all_access(), |p, l, t| {
+        p.a.post_send(&SendWr::write(
+            1,
+            &[l.slice(0..64).ctx("s")?],
+            t.desc().at(4096 - 32),
+        ))
+        .ctx("post")
+    })
 }
 
 fn read_oob(ctx: &Ctx) -> CaseResultOf {
-    remote_access_error(ctx, all_access(), |p, l, t| p.a.post_send(&SendWr::read(1, &[l.slice(0..4097).ctx("s")?], t.desc().at(0))).ctx("post"))
+    remote_access_error(ctx, all_access(), |p, l, t| {
+        p.a.post_send(&SendWr::read(
+            1,
+            &[l.slice(0..4097).ctx("s")?],
+            t.desc().at(0),
+        ))
+        .ctx("post")
+    })
 }
 
 fn write_needs_access(ctx: &Ctx) -> CaseResultOf {
-    remote_access_error(ctx, Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC, |p, l, t| {
-        p.a.post_send(&SendWr::write(1, &[l.slice(0..64).ctx("s")?], t.desc().at(0))).ctx("post")
-    })
+    remote_access_error(
+        ctx,
+        Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC,
+        |p, l, t| {
+            p.a.post_send(&SendWr::write(
+                1,
+                &[l.slice(0..64).ctx("s")?],
+                t.desc().at(0),
+            ))
+            .ctx("post")
+        },
+    )
 }
 
 fn read_needs_access(ctx: &Ctx) -> CaseResultOf {
-    remote_access_error(ctx, Access::LOCAL_WRITE | Access::REMOTE_WRITE, |p, l, t| {
-        p.a.post_send(&SendWr::read(1, &[l.slice(0..64).ctx("s")?], t.desc().at(0))).ctx("post")
-    })
+    remote_access_error(
+        ctx,
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        |p, l, t| {
+            p.a.post_send(&SendWr::read(
+                1,
+                &[l.slice(0..64).ctx("s")?],
+                t.desc().at(0),
+            ))
+            .ctx("post")
+        },
+    )
 }
 
 fn deregistered_dead(ctx: &Ctx) -> CaseResultOf {
@@ -131,11 +211,13 @@ fn deregistered_dead(ctx: &Ctx) -> CaseResultOf {
     let target = region(&p.db, 4096, all_access())?;
     let desc = target.desc();
     // The key works while registered...
-    p.a.post_send(&SendWr::write(1, &[local.all()], desc.at(0))).ctx("post")?;
+    p.a.post_send(&SendWr::write(1, &[local.all()], desc.at(0)))
+        .ctx("post")?;
     expect_ok(&p.cqa, 1, Opcode::Write)?;
     // ...and is dead at once after deregistration.
     target.deregister();
-    p.a.post_send(&SendWr::write(2, &[local.all()], desc.at(0))).ctx("post after deregistration")?;
+    p.a.post_send(&SendWr::write(2, &[local.all()], desc.at(0)))
+        .ctx("post after deregistration")?;
     expect_err(&p.cqa, 2, ErrorKind::RemoteAccess)?;
     wait_state(&p.b, EndpointState::Error, Duration::from_secs(5))
 }
@@ -146,9 +228,13 @@ fn other_domain_key(ctx: &Ctx) -> CaseResultOf {
     let local = region(&p.da, 64, Access::empty())?;
     let elsewhere = region(&third, 4096, all_access())?;
     // A key valid in another domain, with an address that is valid there, grants nothing here.
-    p.a.post_send(&SendWr::write(1, &[local.all()], elsewhere.desc().at(0))).ctx("post")?;
+    p.a.post_send(&SendWr::write(1, &[local.all()], elsewhere.desc().at(0)))
+        .ctx("post")?;
     expect_err(&p.cqa, 1, ErrorKind::RemoteAccess)?;
-    ensure!(elsewhere.buffer().to_vec(0, 64).iter().all(|&b| b == 0), "write reached a region of another domain");
+    ensure!(
+        elsewhere.buffer().to_vec(0, 64).iter().all(|&b| b == 0),
+        "write reached a region of another domain"
+    );
     Ok(())
 }
 
@@ -158,12 +244,16 @@ fn outlives(ctx: &Ctx) -> CaseResultOf {
     let target = region(&p.db, len, all_access())?;
     let src = region(&p.da, len, Access::empty())?;
     src.buffer().fill(0, len, 0x3c);
-    p.a.post_send(&SendWr::write(1, &[src.all()], target.desc().at(0))).ctx("post")?;
+    p.a.post_send(&SendWr::write(1, &[src.all()], target.desc().at(0)))
+        .ctx("post")?;
     // The application drops its handle while the write is in flight: the operation keeps
     // the memory alive, and the data arrives intact.
     drop(src);
     expect_ok(&p.cqa, 1, Opcode::Write)?;
-    ensure!(target.buffer().to_vec(0, len).iter().all(|&b| b == 0x3c), "data of a region dropped in flight was lost or corrupted");
+    ensure!(
+        target.buffer().to_vec(0, len).iter().all(|&b| b == 0x3c),
+        "data of a region dropped in flight was lost or corrupted"
+    );
     Ok(())
 }
 
@@ -172,7 +262,9 @@ fn local_other_domain(ctx: &Ctx) -> CaseResultOf {
     let foreign = region(&p.db, 64, all_access())?;
     match p.a.post_send(&SendWr::send(1, &[foreign.all()])) {
         Err(e) if e.kind() == ErrorKind::LocalProtection => Ok(()),
-        other => Err(format!("posting a region of another domain returned {other:?}, expected LocalProtection")),
+        other => Err(format!(
+            "posting a region of another domain returned {other:?}, expected LocalProtection"
+        )),
     }
 }
 
@@ -180,9 +272,16 @@ fn sink_needs_local_write(ctx: &Ctx) -> CaseResultOf {
     let p = ctx.pair()?;
     let sink = region(&p.da, 64, Access::REMOTE_READ)?;
     let target = region(&p.db, 64, all_access())?;
-    match p.a.post_send(&SendWr::read(1, &[sink.all()], target.desc().at(0))) {
+    match p
+        .a
+        .post_send(&SendWr::read(1, &[sink.all()], target.desc().at(0)))
+    {
         Err(e) if e.kind() == ErrorKind::LocalProtection => {}
-        other => return Err(format!("read into a region without LOCAL_WRITE returned {other:?}")),
+        other => {
+            return Err(format!(
+                "read into a region without LOCAL_WRITE returned {other:?}"
+            ))
+        }
     }
     match p.b.post_recv(&RecvWr::new(1, &[target.all()])) {
         Ok(()) => {}
@@ -191,7 +290,9 @@ fn sink_needs_local_write(ctx: &Ctx) -> CaseResultOf {
     let ro = region(&p.db, 64, Access::REMOTE_READ)?;
     match p.b.post_recv(&RecvWr::new(2, &[ro.all()])) {
         Err(e) if e.kind() == ErrorKind::LocalProtection => Ok(()),
-        other => Err(format!("receive into a region without LOCAL_WRITE returned {other:?}")),
+        other => Err(format!(
+            "receive into a region without LOCAL_WRITE returned {other:?}"
+        )),
     }
 }
 
@@ -202,7 +303,11 @@ fn slice_oob(ctx: &Ctx) -> CaseResultOf {
     for (s, e) in [(0usize, 101usize), (90, 120), (101, 101)] {
         match mr.slice(s..e) {
             Err(err) if err.kind() == ErrorKind::LocalProtection => {}
-            other => return Err(format!("slice {s}..{e} of a 100-byte region returned {other:?}")),
+            other => {
+                return Err(format!(
+                    "slice {s}..{e} of a 100-byte region returned {other:?}"
+                ))
+            }
         }
     }
     Ok(())
