@@ -71,6 +71,7 @@ pub(crate) fn initiate(
         markers: false,
         crc: opts.crc,
         reject: false,
+        enhanced: true,
         revision: 2,
         private_data: Setup {
             enhanced: Some(Enhanced {
@@ -96,7 +97,7 @@ pub(crate) fn initiate(
             rep.revision
         )));
     }
-    let setup = Setup::decode(rep.revision, &rep.private_data)?;
+    let setup = Setup::of(&rep)?;
     if rep.reject {
         return Err(Error::new(
             ErrorKind::ConnectionRefused,
@@ -161,6 +162,7 @@ pub(crate) fn respond(
             markers: false,
             crc: false,
             reject: true,
+            enhanced: false,
             revision,
             private_data: why.as_bytes().to_vec(),
         };
@@ -170,7 +172,7 @@ pub(crate) fn respond(
     if req.markers {
         return Err(reject(sock, "MPA markers are not supported"));
     }
-    let setup = match Setup::decode(req.revision, &req.private_data) {
+    let setup = match Setup::of(&req) {
         Ok(s) => s,
         Err(e) => return Err(reject(sock, &e.to_string())),
     };
@@ -205,14 +207,16 @@ pub(crate) fn respond(
     } else {
         None
     };
+    // Answer in kind: the IRD/ORD block (and the E bit) only when the request had them.
     let rep = MpaFrame {
         reply: true,
         markers: false,
         crc,
         reject: false,
+        enhanced: enhanced.is_some(),
         revision,
         private_data: Setup {
-            enhanced: if revision >= 2 { enhanced } else { None },
+            enhanced,
             ext,
             user: private_data.to_vec(),
         }

@@ -54,6 +54,7 @@ fn raw_connect(
         markers,
         crc,
         reject: false,
+        enhanced: revision >= 2,
         revision,
         private_data: setup.encode(),
     };
@@ -63,7 +64,7 @@ fn raw_connect(
     let (mut rep, pd_len) = MpaFrame::decode_header(&h, true).unwrap();
     rep.private_data = vec![0; pd_len];
     s.read_exact(&mut rep.private_data).unwrap();
-    let setup = Setup::decode(rep.revision, &rep.private_data).unwrap();
+    let setup = Setup::of(&rep).unwrap();
     (s, rep, setup)
 }
 
@@ -125,6 +126,14 @@ fn foreign_peer_gets_base_rdmap_and_no_extensions() {
     let ep = accept(&srv, Duration::from_secs(10)).unwrap();
     let (mut raw, rep, setup) = t.join().unwrap();
     assert_eq!(rep.revision, 2);
+    assert!(
+        rep.enhanced,
+        "a revision-2 reply to an enhanced request must set the E bit (siw requires it)"
+    );
+    assert!(
+        rep.enhanced,
+        "a revision-2 reply to an enhanced request must set the E bit (siw requires it)"
+    );
     assert!(!rep.crc && !rep.reject && !rep.markers);
     assert!(
         setup.ext.is_none(),
@@ -233,7 +242,8 @@ fn revision_1_request_gets_a_revision_1_reply() {
     let ep = accept(&srv, Duration::from_secs(10)).unwrap();
     let (_raw, rep, setup) = t.join().unwrap();
     assert_eq!(rep.revision, 1);
-    assert!(setup.enhanced.is_none());
+    assert!(!rep.enhanced);
+    assert!(!rep.enhanced && setup.enhanced.is_none());
     assert_eq!(ep.negotiated().0, 1);
 }
 

@@ -5,10 +5,14 @@
 //! ```text
 //!  0               16      18       20
 //!  | key (16 bytes) | bits | pd_len | private data (pd_len bytes)
-//!  bits: M(0x8000) markers, C(0x4000) CRC, R(0x2000) reject, low 8 bits revision
+//!  bits: M(0x8000) markers, C(0x4000) CRC, R(0x2000) reject,
+//!        E(0x1000) enhanced connection establishment, low 8 bits revision
 //! ```
 //!
-//! With revision 2 the private data starts with IRD and ORD (16 bits each, 14-bit values):
+//! With revision 2 and the E bit, the private data starts with IRD and ORD (16 bits each,
+//! 14-bit values). The E bit is what the kernel's siw (`MPA_RR_FLAG_ENHANCED`) and Chelsio's
+//! cxgb4 (`MPA_ENHANCED_RDMA_CONN`) set and test: siw parses IRD/ORD only when it is set, and
+//! refuses a revision-2 reply without it when its request had it.
 //! IRD bit 15 asks for peer-to-peer mode (the initiator sends the first message, an RTR),
 //! IRD bit 14 offers a zero-length Send RTR, ORD bit 15 a zero-length Write RTR, ORD bit 14
 //! a zero-length Read RTR.
@@ -34,6 +38,7 @@ pub const MAX_PRIVATE_DATA: usize = 256;
 const FLAG_MARKERS: u16 = 0x8000;
 const FLAG_CRC: u16 = 0x4000;
 const FLAG_REJECT: u16 = 0x2000;
+const FLAG_ENHANCED: u16 = 0x1000;
 const MASK_REVISION: u16 = 0x00ff;
 
 /// IRD/ORD value mask (14 bits).
@@ -54,6 +59,8 @@ pub struct MpaFrame {
     pub crc: bool,
     /// R: the responder rejects the connection.
     pub reject: bool,
+    /// E: the private data starts with the RFC 6581 IRD/ORD block.
+    pub enhanced: bool,
     /// MPA revision (1 or 2).
     pub revision: u8,
     /// Private data, including the RFC 6581 and extension prefixes.
@@ -74,6 +81,9 @@ impl MpaFrame {
         }
         if self.reject {
             bits |= FLAG_REJECT;
+        }
+        if self.enhanced {
+            bits |= FLAG_ENHANCED;
         }
         out.extend_from_slice(&bits.to_be_bytes());
         out.extend_from_slice(&(self.private_data.len() as u16).to_be_bytes());
@@ -116,6 +126,7 @@ impl MpaFrame {
                 markers: bits & FLAG_MARKERS != 0,
                 crc: bits & FLAG_CRC != 0,
                 reject: bits & FLAG_REJECT != 0,
+                enhanced: bits & FLAG_ENHANCED != 0,
                 revision,
                 private_data: Vec::new(),
             },
@@ -289,9 +300,14 @@ impl Setup {
         pd
     }
 
-    /// Parses private data of a frame of `revision`.
-    pub fn decode(revision: u8, pd: &[u8]) -> Result<Setup, WireError> {
-        let (enhanced, rest) = if revision >= 2 {
+    /// Parses the private data of `frame`.
+    pub fn of(frame: &MpaFrame) -> Result<Setup, WireError> {
+        Self::decode(frame.revision >= 2 && frame.enhanced, &frame.private_data)
+    }
+
+    /// Parses private data that starts with the IRD/ORD block when `enhanced`.
+    pub fn decode(enhanced: bool, pd: &[u8]) -> Result<Setup, WireError> {
+        let (enhanced, rest) = if enhanced {
             (Some(Enhanced::decode(pd)?), &pd[Enhanced::LEN..])
         } else {
             (None, pd)
@@ -346,15 +362,24 @@ mod tests {
             markers: false,
             crc: true,
             reject: false,
+            enhanced: true,
             revision: 2,
             private_data: setup.encode(),
         };
         let bytes = f.encode();
         assert_eq!(&bytes[..16], KEY_REQ);
-        assert_eq!(&bytes[16..18], &[0x40, 0x02]);
-        let (h, pd_len) = MpaFrame::decode_header(bytes[..20].try_into().unwrap(), false).unwrap();
-        assert!(h.crc && !h.markers && h.revision == 2);
-        assert_eq!(Setup::decode(2, &bytes[20..20 + pd_len]).unwrap(), setup);
+        // C and E set, revision 2: what siw sends with CRC required.
+        assert_eq!(&bytes[16..18], &[0x50, 0x02]);
+        let (mut h, pd_len) =
+            MpaFrame::decode_header(bytes[..20].try_into().unwrap(), false).unwrap();
+        assert!(h.crc && !h.markers && h.enhanced && h.revision == 2);
+        h.private_data = bytes[20..20 + pd_len].to_vec();
+        assert_eq!(Setup::of(&h).unwrap(), setup);
+        // Without E the same bytes are all application data.
+        assert_eq!(
+            Setup::decode(false, &h.private_data).unwrap().user.len(),
+            h.private_data.len()
+        );
     }
 
     #[test]
