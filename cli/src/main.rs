@@ -142,7 +142,7 @@ fn conformance(
         }
     });
     if report.cases.is_empty() {
-        return Err(format!("no case matches the filter {filter:?}"));
+        return Err(format!("no case matches the filter {:?} (see --list)", filter.unwrap_or_default()));
     }
     print_report(&report, format);
     Ok(if report.any_fail() {
