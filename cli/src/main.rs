@@ -142,7 +142,10 @@ fn conformance(
         }
     });
     if report.cases.is_empty() {
-        return Err(format!("no case matches the filter {:?} (see --list)", filter.unwrap_or_default()));
+        return Err(format!(
+            "no case matches the filter {:?} (see --list)",
+            filter.unwrap_or_default()
+        ));
     }
     print_report(&report, format);
     Ok(if report.any_fail() {
