@@ -33,6 +33,10 @@ enum Cmd {
         /// Providers to test, comma separated.
         #[arg(long, default_value = "tcp")]
         provider: String,
+        /// Also pair each provider with this one, in both directions (`tcp>iwarp`: tcp
+        /// connects to an iwarp listener; `iwarp>tcp`: the reverse).
+        #[arg(long)]
+        peer: Option<String>,
         /// Output format.
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
@@ -83,10 +87,11 @@ fn main() -> ExitCode {
         Cmd::Demo(args) => demo::run(args),
         Cmd::Conformance {
             provider,
+            peer,
             format,
             filter,
             list,
-        } => conformance(&provider, format, filter.as_deref(), list),
+        } => conformance(&provider, peer.as_deref(), format, filter.as_deref(), list),
         Cmd::Report {
             file,
             format,
@@ -114,6 +119,7 @@ pub(crate) fn selector(provider: Option<&str>) -> Result<Selector, String> {
 
 fn conformance(
     provider: &str,
+    peer: Option<&str>,
     format: Format,
     filter: Option<&str>,
     list: bool,
@@ -124,15 +130,23 @@ fn conformance(
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let providers: Vec<String> = provider.split(',').map(|s| s.trim().to_string()).collect();
-    for p in &providers {
-        if !PROVIDER_NAMES.contains(&p.as_str()) {
+    let names: Vec<String> = provider.split(',').map(|s| s.trim().to_string()).collect();
+    for p in names.iter().map(String::as_str).chain(peer) {
+        if !PROVIDER_NAMES.contains(&p) {
             return Err(format!(
                 "unknown provider {p:?}; valid names: {}",
                 PROVIDER_NAMES.join(", ")
             ));
         }
     }
+    // With --peer, each provider runs against the peer provider in both directions.
+    let providers: Vec<String> = match peer {
+        None => names,
+        Some(peer) => names
+            .iter()
+            .flat_map(|p| [format!("{p}>{peer}"), format!("{peer}>{p}")])
+            .collect(),
+    };
     let exe = std::env::current_exe()
         .map_err(|e| format!("cannot find own executable for peer processes: {e}"))?;
     let interactive = matches!(format, Format::Text);

@@ -1,6 +1,7 @@
 //! The conformance suite under `cargo test`: one test per (provider, case).
 //!
-//! Providers come from `FABRIC_CONFORMANCE_PROVIDERS` (default `tcp`). A provider that
+//! Providers come from `FABRIC_CONFORMANCE_PROVIDERS` (default `tcp`; `tcp>iwarp` names a
+//! mixed pair: tcp connects to an iwarp listener). A provider that
 //! cannot run here (no device) makes its cases fail with the reason unless
 //! `FABRIC_CONFORMANCE_ALLOW_NO_DEVICE=1`, which reports them as ignored: never as passed.
 
@@ -14,14 +15,11 @@ fn main() {
     let exe = std::path::PathBuf::from(env!("CARGO_BIN_EXE_fabric"));
     let mut trials = Vec::new();
     for provider in providers.split(',').map(str::trim) {
-        let ctx = fabric_conformance::Ctx::new(provider, Some(exe.clone()));
+        let ctx = fabric_conformance::Ctx::from_label(provider, Some(exe.clone()));
         for case in fabric_conformance::all_cases() {
             let ctx = ctx.clone();
             let name = format!("{provider}::{}", case.name);
-            let no_device = match ctx.info().availability {
-                fabric::Availability::Unavailable { reason } => Some(reason),
-                fabric::Availability::Available => None,
-            };
+            let no_device = !(ctx.info().is_available() && ctx.target_info().is_available());
             let trial = Trial::test(name, move || {
                 let r = fabric_conformance::harness::run_case(&ctx, &case);
                 match r.outcome.as_str() {
@@ -29,7 +27,7 @@ fn main() {
                     _ => Err(Failed::from(format!("{}: {}", r.outcome, r.detail))),
                 }
             });
-            trials.push(if no_device.is_some() && allow_no_device {
+            trials.push(if no_device && allow_no_device {
                 trial.with_ignored_flag(true)
             } else {
                 trial

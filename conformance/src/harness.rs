@@ -58,8 +58,12 @@ impl Outcome {
 /// What a case runs against.
 #[derive(Debug, Clone)]
 pub struct Ctx {
-    /// Provider name.
+    /// Report label: the provider's name, or `initiator>target` for a mixed pair.
     pub provider: String,
+    /// Provider of the connecting side, and of domains a case opens on its own.
+    pub initiator: String,
+    /// Provider of the listening side: targets of one-sided operations, peer processes.
+    pub target: String,
     /// The `fabric` executable used to start peer processes.
     pub peer_exe: Option<PathBuf>,
     /// Address to listen on (`FABRIC_CONFORMANCE_ADDR`, default 127.0.0.1).
@@ -88,6 +92,21 @@ fn bind_addr(provider: &str) -> IpAddr {
     .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
 }
 
+fn provider_info(name: &str) -> ProviderInfo {
+    discover()
+        .into_iter()
+        .find(|p| p.name == name)
+        .expect("known provider")
+}
+
+fn open_domain(name: &str) -> Result<AnyDomain, String> {
+    Selector::new()
+        .providers(name)
+        .and_then(|s| s.open())
+        .map(|(d, _)| d)
+        .map_err(|e| format!("opening a {name} domain: {e}"))
+}
+
 /// Per-case time limit.
 pub const CASE_LIMIT: Duration = Duration::from_secs(90);
 
@@ -97,29 +116,60 @@ impl Ctx {
     /// soft-RDMA guest's address for that provider (`FABRIC_SOFT_RDMA_RXE_ADDR` for roce,
     /// `FABRIC_SOFT_RDMA_SIW_ADDR` for iwarp), else 127.0.0.1.
     pub fn new(provider: &str, peer_exe: Option<PathBuf>) -> Self {
+        Self::mixed(provider, provider, peer_exe)
+    }
+
+    /// A context whose connecting side runs `initiator` and whose listening side runs
+    /// `target` (interoperability between providers, e.g. tcp against iwarp over siw). Both
+    /// listen on the address of whichever side is not tcp.
+    pub fn mixed(initiator: &str, target: &str, peer_exe: Option<PathBuf>) -> Self {
+        let provider = if initiator == target {
+            initiator.to_string()
+        } else {
+            format!("{initiator}>{target}")
+        };
+        let addr_of = if target != "tcp" { target } else { initiator };
         Ctx {
-            provider: provider.to_string(),
+            provider,
+            initiator: initiator.to_string(),
+            target: target.to_string(),
             peer_exe,
-            bind: bind_addr(provider),
+            bind: bind_addr(addr_of),
             timeout: Duration::from_secs(10),
         }
     }
 
-    /// The provider's discovery entry.
-    pub fn info(&self) -> ProviderInfo {
-        discover()
-            .into_iter()
-            .find(|p| p.name == self.provider)
-            .expect("known provider")
+    /// Parses a report label: `tcp`, or `tcp>iwarp` for a mixed pair.
+    pub fn from_label(label: &str, peer_exe: Option<PathBuf>) -> Self {
+        match label.split_once('>') {
+            Some((i, t)) => Self::mixed(i.trim(), t.trim(), peer_exe),
+            None => Self::new(label.trim(), peer_exe),
+        }
     }
 
-    /// A fresh domain on the provider.
+    /// True when the two sides run different providers.
+    pub fn is_mixed(&self) -> bool {
+        self.initiator != self.target
+    }
+
+    /// The initiating provider's discovery entry.
+    pub fn info(&self) -> ProviderInfo {
+        provider_info(&self.initiator)
+    }
+
+    /// The target provider's discovery entry.
+    pub fn target_info(&self) -> ProviderInfo {
+        provider_info(&self.target)
+    }
+
+    /// A fresh domain on the initiating provider.
     pub fn domain(&self) -> Result<AnyDomain, String> {
-        Selector::new()
-            .providers(&self.provider)
-            .and_then(|s| s.open())
-            .map(|(d, _)| d)
-            .map_err(|e| format!("opening a {} domain: {e}", self.provider))
+        open_domain(&self.initiator)
+    }
+
+    /// A fresh domain on the target provider.
+    pub fn target_domain(&self) -> Result<AnyDomain, String> {
+        open_domain(&self.target)
     }
 
     /// Address with port 0 for listening.
@@ -135,7 +185,7 @@ impl Ctx {
     /// Two connected endpoints with `opts`.
     pub fn pair_with(&self, opts: PairOpts) -> Result<Pair, String> {
         let da = self.domain()?;
-        let db = self.domain()?;
+        let db = self.target_domain()?;
         let cqa = da
             .create_cq(opts.cq_capacity)
             .map_err(|e| format!("create_cq: {e}"))?;
@@ -166,7 +216,7 @@ impl Ctx {
 
     /// A server domain listening, with no client yet (see [`Star::connect`]).
     pub fn listening(&self) -> Result<Star, String> {
-        let server = self.domain()?;
+        let server = self.target_domain()?;
         let server_cq = server
             .create_cq(1024)
             .map_err(|e| format!("create_cq: {e}"))?;
@@ -431,7 +481,14 @@ fn check_unsupported(ctx: &Ctx, needs: OpSet) -> Outcome {
             )),
         }
     };
-    let declared = ctx.info().caps.why_unsupported(needs).unwrap_or_default();
+    let declared = [ctx.info(), ctx.target_info()]
+        .iter()
+        .find_map(|i| {
+            i.caps
+                .why_unsupported(needs)
+                .map(|w| format!("{}: {w}", i.name))
+        })
+        .unwrap_or_default();
     match run() {
         Ok(posted) => Outcome::Unsupported(format!("{declared}; post returned {posted}")),
         Err(e) => Outcome::Fail(e),
@@ -441,10 +498,20 @@ fn check_unsupported(ctx: &Ctx, needs: OpSet) -> Outcome {
 /// Runs one case against `ctx.provider`, never letting a hang or panic escape.
 pub fn run_case(ctx: &Ctx, case: &Case) -> CaseResult {
     let start = Instant::now();
-    let info = ctx.info();
-    let outcome = if let Availability::Unavailable { reason } = &info.availability {
-        Outcome::NoDevice(reason.clone())
-    } else if !info.caps.ops.contains(case.needs) {
+    let (info, target_info) = (ctx.info(), ctx.target_info());
+    let unavailable = [&info, &target_info]
+        .into_iter()
+        .find_map(|i| match &i.availability {
+            Availability::Unavailable { reason } => Some(if ctx.is_mixed() {
+                format!("{}: {reason}", i.name)
+            } else {
+                reason.clone()
+            }),
+            Availability::Available => None,
+        });
+    let outcome = if let Some(reason) = unavailable {
+        Outcome::NoDevice(reason)
+    } else if !(info.caps.ops & target_info.caps.ops).contains(case.needs) {
         check_unsupported(ctx, case.needs)
     } else {
         let (tx, rx) = mpsc::channel();

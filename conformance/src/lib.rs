@@ -21,7 +21,8 @@ pub use cases::all_cases;
 pub use harness::{Case, Ctx, Outcome};
 pub use report::{CaseResult, Report};
 
-/// Runs `cases` (all when empty filter) against each provider.
+/// Runs every case (or those whose name contains `filter`) against each provider label: a
+/// provider name, or `initiator>target` for a mixed pair (see [`Ctx::from_label`]).
 pub fn run(
     providers: &[String],
     filter: Option<&str>,
@@ -30,7 +31,7 @@ pub fn run(
 ) -> Report {
     let mut results = Vec::new();
     for p in providers {
-        let ctx = Ctx::new(p, peer_exe.clone());
+        let ctx = Ctx::from_label(p, peer_exe.clone());
         for case in all_cases() {
             if filter.is_some_and(|f| !case.name.contains(f)) {
                 continue;

@@ -55,7 +55,7 @@ impl PeerProcess {
             .ok_or("multi-process case needs the fabric executable (FABRIC_PEER_EXE) to start its peer")?;
         let mut child = Command::new(&exe)
             .arg("peer")
-            .args(["--provider", &ctx.provider, "--bind", &ctx.bind.to_string()])
+            .args(["--provider", &ctx.target, "--bind", &ctx.bind.to_string()])
             .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -74,11 +74,12 @@ fn refused(ctx: &Ctx) -> CaseResultOf {
     Ok(())
 }
 
-/// An address that never answers. Over IP sockets: a listener whose accept queue is full,
-/// so the kernel drops further SYNs (TEST-NET addresses cannot be trusted: some networks
-/// refuse them at once). Elsewhere: TEST-NET-1 (RFC 5737), never routed.
+/// An address that never answers. For providers that connect over TCP (tcp, and iwarp
+/// through rdma_cm): a listener whose accept queue is full, so the kernel drops further SYNs
+/// (TEST-NET addresses cannot be trusted: some networks refuse them at once). Otherwise:
+/// TEST-NET-1 (RFC 5737), never routed.
 fn blackhole(ctx: &Ctx) -> Result<(SocketAddr, Vec<Box<dyn std::any::Any>>), String> {
-    if ctx.provider != "tcp" {
+    if !matches!(ctx.initiator.as_str(), "tcp" | "iwarp") {
         return Ok(("192.0.2.1:7471".parse().expect("literal"), Vec::new()));
     }
     use socket2::{Domain, Socket, Type};

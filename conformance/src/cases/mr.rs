@@ -90,7 +90,7 @@ fn keys_unguessable(ctx: &Ctx) -> CaseResultOf {
     let keys: Vec<u32> = regions.iter().map(|r| r.desc().key).collect();
     let distinct: HashSet<u32> = keys.iter().copied().collect();
     ensure!(distinct.len() == keys.len(), "keys repeat: {keys:x?}");
-    if ctx.provider == "tcp" {
+    if ctx.initiator == "tcp" {
         // The software provider's keys are random: consecutive registrations must not
         // produce nearby keys.
         let close = keys
