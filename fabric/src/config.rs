@@ -12,6 +12,14 @@
 //! require = ["FETCH_ADD", "READ"]    # OpSet flag names the provider must support
 //! strict = false                     # true: an operation required but only emulated is an error
 //!
+//! [roce]
+//! device = "rxe0"                    # a device by name (default: the first usable one)
+//! address = "192.168.77.1"           # the local address (its RoCE v2 GID is used)
+//! traffic_class = 106                # IP TOS byte of RoCE v2 traffic: DSCP 26, ECT(0)
+//!
+//! [iwarp]                            # device, address as for roce
+//! [ib]                               # device, address (IPoIB) as for roce
+//!
 //! [tcp]
 //! crc = false                        # ask for MPA CRC32c
 //! extensions = true                  # announce atomics / immediate data / acks to our peers
@@ -21,10 +29,12 @@
 use std::fmt;
 use std::path::Path;
 
-use fabric_api::{
-    Availability, Capabilities, Error, ErrorKind, Limits, OpSet, ProviderInfo, Result,
-};
+use fabric_api::{Availability, Error, ErrorKind, OpSet, ProviderInfo, Result};
+use fabric_ib::IbDomain;
+use fabric_iwarp::IwarpDomain;
+use fabric_roce::RoceDomain;
 use fabric_tcp::{TcpDomain, TcpOptions};
+use fabric_verbs::VerbsOptions;
 use serde::Deserialize;
 
 use crate::AnyDomain;
@@ -37,41 +47,10 @@ pub const ENV_PROVIDER: &str = "FABRIC_PROVIDER";
 /// Environment variable naming a TOML config file.
 pub const ENV_CONFIG: &str = "FABRIC_CONFIG";
 
-fn not_built(name: &str) -> ProviderInfo {
-    ProviderInfo {
-        name: name.into(),
-        availability: Availability::Unavailable {
-            reason: "not compiled into this build: the verbs providers (ib, roce, iwarp over rdma-core) are not part of it yet".into(),
-        },
-        devices: Vec::new(),
-        caps: Capabilities {
-            ops: OpSet::empty(),
-            limits: Limits {
-                max_msg_size: 0,
-                max_inline: 0,
-                max_sge: 0,
-                max_send_queue: 0,
-                max_recv_queue: 0,
-                max_cq_entries: 0,
-                max_outstanding_reads: 0,
-                max_private_data: 0,
-            },
-            imm_size: 0,
-            emulated: Vec::new(),
-            unsupported: Default::default(),
-        },
-    }
-}
-
 /// Every provider this framework knows, with availability, devices and capabilities.
 pub fn discover() -> Vec<ProviderInfo> {
-    PROVIDER_NAMES
-        .iter()
-        .map(|&name| match name {
-            fabric_tcp::NAME => fabric_tcp::info(),
-            other => not_built(other),
-        })
-        .collect()
+    let s = Selector::new();
+    PROVIDER_NAMES.iter().map(|&name| s.info(name)).collect()
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,6 +121,38 @@ struct FileConfig {
     require: Vec<String>,
     strict: Option<bool>,
     tcp: Option<TcpSection>,
+    roce: Option<VerbsSection>,
+    iwarp: Option<VerbsSection>,
+    ib: Option<VerbsSection>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VerbsSection {
+    device: Option<String>,
+    address: Option<std::net::IpAddr>,
+    traffic_class: Option<u8>,
+}
+
+impl VerbsSection {
+    fn apply(self, name: &str, o: &mut VerbsOptions) -> Result<()> {
+        if let Some(d) = self.device {
+            o.device = Some(d);
+        }
+        if let Some(a) = self.address {
+            o.address = Some(a);
+        }
+        if let Some(t) = self.traffic_class {
+            if name == "iwarp" {
+                return Err(Error::new(
+                    ErrorKind::Config,
+                    "[iwarp] traffic_class: iWARP runs over TCP; set the socket priority of the netdev instead",
+                ));
+            }
+            o.traffic_class = Some(t);
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -159,6 +170,9 @@ pub struct Selector {
     require: OpSet,
     strict: bool,
     tcp: TcpOptions,
+    roce: VerbsOptions,
+    iwarp: VerbsOptions,
+    ib: VerbsOptions,
     sources: Vec<String>,
 }
 
@@ -169,6 +183,9 @@ impl Default for Selector {
             require: OpSet::empty(),
             strict: false,
             tcp: TcpOptions::default(),
+            roce: VerbsOptions::default(),
+            iwarp: VerbsOptions::default(),
+            ib: VerbsOptions::default(),
             sources: Vec::new(),
         }
     }
@@ -238,6 +255,15 @@ impl Selector {
                 self.tcp.max_segment = v;
             }
         }
+        if let Some(v) = cfg.roce {
+            v.apply("roce", &mut self.roce)?;
+        }
+        if let Some(v) = cfg.iwarp {
+            v.apply("iwarp", &mut self.iwarp)?;
+        }
+        if let Some(v) = cfg.ib {
+            v.apply("ib", &mut self.ib)?;
+        }
         Ok(self)
     }
 
@@ -264,6 +290,34 @@ impl Selector {
     pub fn tcp_options(mut self, opts: TcpOptions) -> Self {
         self.tcp = opts;
         self
+    }
+
+    /// Options of the roce provider (device, address, traffic class).
+    pub fn roce_options(mut self, opts: VerbsOptions) -> Self {
+        self.roce = opts;
+        self
+    }
+
+    /// Options of the iwarp provider (device, address).
+    pub fn iwarp_options(mut self, opts: VerbsOptions) -> Self {
+        self.iwarp = opts;
+        self
+    }
+
+    /// Options of the ib provider (device, address).
+    pub fn ib_options(mut self, opts: VerbsOptions) -> Self {
+        self.ib = opts;
+        self
+    }
+
+    /// The discovery entry of provider `name` under this selector's options.
+    fn info(&self, name: &str) -> ProviderInfo {
+        match name {
+            fabric_roce::NAME => fabric_roce::info(&self.roce),
+            fabric_iwarp::NAME => fabric_iwarp::info(&self.iwarp),
+            fabric_ib::NAME => fabric_ib::info(&self.ib),
+            _ => fabric_tcp::info(),
+        }
     }
 
     /// The candidate provider names, in order of preference.
@@ -305,28 +359,41 @@ impl Selector {
 
     /// Picks the first qualifying provider and opens a domain on it.
     pub fn open(&self) -> Result<(AnyDomain, SelectionReport)> {
-        let all = discover();
         let mut rejected = Vec::new();
         for name in self.candidates() {
-            let info = all
-                .iter()
-                .find(|p| p.name == name)
-                .expect("candidates are known names");
+            let info = self.info(&name);
+            let info = &info;
             if let Some(why) = self.disqualify(info) {
                 rejected.push((name, why));
                 continue;
             }
-            let domain: AnyDomain = match name.as_str() {
-                fabric_tcp::NAME => TcpDomain::open(self.tcp.clone())?.into(),
-                other => unreachable!("provider {other} is available but not openable"),
+            let (domain, device): (AnyDomain, String) = match name.as_str() {
+                fabric_roce::NAME => {
+                    let d = RoceDomain::open(self.roce.clone())?;
+                    let s = d.selection().summary.clone();
+                    (d.into(), s)
+                }
+                fabric_iwarp::NAME => {
+                    let d = IwarpDomain::open(self.iwarp.clone())?;
+                    let s = d.selection().summary.clone();
+                    (d.into(), s)
+                }
+                fabric_ib::NAME => {
+                    let d = IbDomain::open(self.ib.clone())?;
+                    let s = d.selection().summary.clone();
+                    (d.into(), s)
+                }
+                _ => (
+                    TcpDomain::open(self.tcp.clone())?.into(),
+                    info.devices
+                        .first()
+                        .map(|d| d.name.clone())
+                        .unwrap_or_default(),
+                ),
             };
             let report = SelectionReport {
                 provider: name,
-                device: info
-                    .devices
-                    .first()
-                    .map(|d| d.name.clone())
-                    .unwrap_or_default(),
+                device,
                 emulated: info
                     .caps
                     .emulated

@@ -14,6 +14,9 @@ use fabric_api::{
     Access, Buffer, Completion, EndpointState, Error, MemoryRegion, ProviderInfo, RecvWr, Result,
     SendWr,
 };
+use fabric_ib::{IbCq, IbDomain, IbEndpoint, IbListener};
+use fabric_iwarp::{IwarpCq, IwarpDomain, IwarpEndpoint, IwarpListener};
+use fabric_roce::{RoceCq, RoceDomain, RoceEndpoint, RoceListener};
 use fabric_tcp::{TcpCq, TcpDomain, TcpEndpoint, TcpListener};
 
 /// A protection domain of any provider.
@@ -82,6 +85,12 @@ pub trait ListenerOps {
 pub enum AnyDomain {
     /// The TCP fallback provider.
     Tcp(TcpDomain),
+    /// RoCE v2 on the verbs core.
+    Roce(RoceDomain),
+    /// iWARP on the verbs core.
+    Iwarp(IwarpDomain),
+    /// InfiniBand on the verbs core.
+    Ib(IbDomain),
 }
 
 /// A completion queue of the selected provider.
@@ -90,6 +99,12 @@ pub enum AnyDomain {
 pub enum AnyCq {
     /// The TCP fallback provider.
     Tcp(TcpCq),
+    /// RoCE v2 on the verbs core.
+    Roce(RoceCq),
+    /// iWARP on the verbs core.
+    Iwarp(IwarpCq),
+    /// InfiniBand on the verbs core.
+    Ib(IbCq),
 }
 
 /// An endpoint of the selected provider.
@@ -98,6 +113,12 @@ pub enum AnyCq {
 pub enum AnyEndpoint {
     /// The TCP fallback provider.
     Tcp(TcpEndpoint),
+    /// RoCE v2 on the verbs core.
+    Roce(RoceEndpoint),
+    /// iWARP on the verbs core.
+    Iwarp(IwarpEndpoint),
+    /// InfiniBand on the verbs core.
+    Ib(IbEndpoint),
 }
 
 /// A listener of the selected provider.
@@ -106,6 +127,12 @@ pub enum AnyEndpoint {
 pub enum AnyListener {
     /// The TCP fallback provider.
     Tcp(TcpListener),
+    /// RoCE v2 on the verbs core.
+    Roce(RoceListener),
+    /// iWARP on the verbs core.
+    Iwarp(IwarpListener),
+    /// InfiniBand on the verbs core.
+    Ib(IbListener),
 }
 
 /// Ties a provider's completion-queue type to its [`AnyCq`] variant.
@@ -119,6 +146,39 @@ impl ProviderTypes for TcpCq {
     fn from_any(cq: &AnyCq) -> Result<&Self> {
         match cq {
             AnyCq::Tcp(c) => Ok(c),
+            _ => Err(Error::invalid(
+                "completion queue belongs to another provider",
+            )),
+        }
+    }
+}
+
+impl ProviderTypes for RoceCq {
+    fn from_any(cq: &AnyCq) -> Result<&Self> {
+        match cq {
+            AnyCq::Roce(c) => Ok(c),
+            _ => Err(Error::invalid(
+                "completion queue belongs to another provider",
+            )),
+        }
+    }
+}
+
+impl ProviderTypes for IwarpCq {
+    fn from_any(cq: &AnyCq) -> Result<&Self> {
+        match cq {
+            AnyCq::Iwarp(c) => Ok(c),
+            _ => Err(Error::invalid(
+                "completion queue belongs to another provider",
+            )),
+        }
+    }
+}
+
+impl ProviderTypes for IbCq {
+    fn from_any(cq: &AnyCq) -> Result<&Self> {
+        match cq {
+            AnyCq::Ib(c) => Ok(c),
             _ => Err(Error::invalid(
                 "completion queue belongs to another provider",
             )),

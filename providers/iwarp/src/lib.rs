@@ -1,0 +1,237 @@
+//! The `iwarp` provider: iWARP (RDMAP/DDP/MPA over TCP) devices on the shared verbs core.
+//!
+//! Devices: transport iWARP (Chelsio, Intel, the kernel's soft-iWARP `siw`). Connections
+//! go through rdma_cm only (iWARP has no out-of-band QP setup).
+//!
+//! What iWARP lacks natively, and what this provider does about it:
+//! * **Atomics and immediate data**: not in RDMAP (RFC 5040); declared unsupported in the
+//!   capabilities and refused at post with `Unsupported` (emulation is later work).
+//! * **Receiver not ready**: an iWARP Send that finds no posted receive is fatal (DDP
+//!   "no buffer" Terminate). The provider runs credit-based flow control so the contract's
+//!   "the sender waits" holds: each endpoint registers a small credit area and hands its
+//!   descriptor to the peer in the connection's private data; after every posted receive
+//!   it RDMA-writes its count of posted receives into the peer's area; a send goes to the
+//!   device only while the peer's count exceeds the sends already sent, and is held (with
+//!   everything posted after it, in order) until then. Held sends are retried on a timer
+//!   by the domain's RNR thread, as a device retries after an RNR NAK.
+//! * **Delivery-complete sends and writes**: iWARP completes them at transmit. Each is
+//!   followed by an 8-byte RDMA Read of the peer's credit area; the application's
+//!   completion is the read's, so it means the bytes were placed at the target (RDMAP
+//!   processes a stream in order).
+//! * **Scatter reads**: an RDMA Read has one sink (`max_sge_rd` 1 on siw); a read into a
+//!   longer scatter list is split into one read per entry.
+//! * **Read sinks need remote write**: the Read Request names the sink by STag and the
+//!   response is a tagged placement, so every region registered with LOCAL_WRITE gets a
+//!   local registration that also grants REMOTE_WRITE. Protection consequence: the STag
+//!   of that local registration travels to the peer in every read that uses the region as
+//!   a sink, and with it the peer may write anywhere into that region for as long as the
+//!   region lives. It is never the region's remote key (which deregistration kills at
+//!   once), but regions used as read sinks are writable by peers that were read from.
+//! * **Graceful close versus failure**: siw reports both as a closed connection. A closing
+//!   endpoint writes a close mark into the peer's credit area first, so the peer reports
+//!   `Disconnected` for a close and `Error` for anything else.
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use fabric_api::{Emulation, OpSet, ProviderInfo};
+use fabric_verbs::{DeviceFacts, Flavor, Profile, Selection, Transport};
+
+pub use fabric_verbs::VerbsOptions;
+
+/// Provider name.
+pub const NAME: &str = "iwarp";
+
+/// Private data an MPA revision 2 request or reply carries for the application: 512 bytes
+/// in RFC 5044, 256 in the Linux iWARP CM (`RDMA_MAX_PRIVATE_DATA`), less the 8 bytes of
+/// the enhanced-mode IRD/ORD header.
+pub const MPA_PRIVATE_DATA: u32 = 248;
+
+/// The iWARP flavor of the verbs core.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Iwarp;
+
+/// An iWARP domain.
+pub type IwarpDomain = fabric_verbs::VerbsDomain<Iwarp>;
+/// An iWARP completion queue.
+pub type IwarpCq = fabric_verbs::VerbsCq<Iwarp>;
+/// An iWARP endpoint.
+pub type IwarpEndpoint = fabric_verbs::VerbsEndpoint<Iwarp>;
+/// An iWARP listener.
+pub type IwarpListener = fabric_verbs::VerbsListener<Iwarp>;
+
+/// What `discover()` reports for this provider.
+pub fn info(opts: &VerbsOptions) -> ProviderInfo {
+    fabric_verbs::provider_info::<Iwarp>(opts)
+}
+
+/// The local address to connect from: the configured one if its network device carries
+/// it, else the first IPv4 address of the device's netdev, else the first address.
+pub fn select_address(
+    netdev: Option<&str>,
+    addrs: &[IpAddr],
+    want: Option<IpAddr>,
+) -> Result<IpAddr, String> {
+    let dev = netdev.unwrap_or("(unknown)");
+    match want {
+        Some(w) if addrs.contains(&w) => Ok(w),
+        Some(w) => Err(format!(
+            "address {w} is not on the device's network interface {dev}"
+        )),
+        None => addrs
+            .iter()
+            .find(|a| a.is_ipv4())
+            .or_else(|| addrs.first())
+            .copied()
+            .ok_or_else(|| {
+                format!(
+                    "network interface {dev} has no IP address: rdma_cm cannot reach this device"
+                )
+            }),
+    }
+}
+
+impl Flavor for Iwarp {
+    const NAME: &'static str = NAME;
+
+    fn accepts(dev: &DeviceFacts) -> Result<(), String> {
+        if dev.transport == Transport::Iwarp {
+            Ok(())
+        } else {
+            Err(format!("transport {}, not iWARP", dev.transport.name()))
+        }
+    }
+
+    fn select(dev: &DeviceFacts, opts: &VerbsOptions) -> Result<Selection, String> {
+        let mut why = Vec::new();
+        for p in &dev.ports {
+            if !p.is_active() {
+                why.push(format!(
+                    "port {} is {} (not ACTIVE)",
+                    p.num,
+                    fabric_verbs::device::port_state_name(p.state)
+                ));
+                continue;
+            }
+            match select_address(p.netdev.as_deref(), &p.addrs, opts.address) {
+                Ok(a) => {
+                    return Ok(Selection {
+                        port: p.num,
+                        addr: Some(a),
+                        gid: p.gids.first().cloned(),
+                        summary: format!(
+                            "{} port {}, address {a} on {}, active MTU {}",
+                            dev.name,
+                            p.num,
+                            p.netdev.as_deref().unwrap_or("?"),
+                            p.active_mtu
+                        ),
+                    })
+                }
+                Err(e) => why.push(format!("port {}: {e}", p.num)),
+            }
+        }
+        Err(if why.is_empty() {
+            "no port".into()
+        } else {
+            why.join("; ")
+        })
+    }
+
+    fn profile(dev: &DeviceFacts) -> Profile {
+        let mut unsupported = BTreeMap::new();
+        let atomics = "iWARP (RFC 5040 RDMAP) has no atomic operations; this device reports ATOMIC_NONE; emulation is later work";
+        let imm = "iWARP (RFC 5040 RDMAP) carries no immediate data; emulation is later work";
+        unsupported.insert("FETCH_ADD".to_string(), atomics.to_string());
+        unsupported.insert("COMPARE_SWAP".to_string(), atomics.to_string());
+        unsupported.insert("SEND_IMM".to_string(), imm.to_string());
+        unsupported.insert("WRITE_IMM".to_string(), imm.to_string());
+        let split = dev.max_sge_rd < dev.max_sge;
+        let emu = |feature: &str, ops: OpSet, how: &str| Emulation {
+            feature: feature.into(),
+            ops,
+            how: how.into(),
+        };
+        let mut emulated = vec![
+            emu("receiver not ready", OpSet::SEND, "credit-based flow control: the receiver RDMA-writes its posted-receive count into the sender's credit area; sends wait in the provider for credits (retried on a timer like an RNR retry)"),
+            emu("delivery-complete sends and writes", OpSet::SEND | OpSet::WRITE, "each is followed by an 8-byte RDMA Read of the peer; the completion is the read's"),
+            emu("read sinks", OpSet::READ, "regions with LOCAL_WRITE are registered locally with REMOTE_WRITE too (iWARP read responses are tagged placements)"),
+        ];
+        if split {
+            emulated.push(emu("scatter reads", OpSet::READ, &format!("a read into more than {} scatter entries is split into one RDMA Read per entry", dev.max_sge_rd.max(1))));
+        }
+        Profile {
+            atomics: false,
+            immediate: false,
+            credits: true,
+            delivery_reads: true,
+            split_reads: split,
+            sink_remote_write: true,
+            transport_private_data: MPA_PRIVATE_DATA,
+            rnr_retry: 7,
+            retry: 7,
+            min_rnr_timer: None,
+            unsupported,
+            emulated,
+        }
+    }
+
+    fn no_device() -> String {
+        "no iWARP device (no RDMA device with iWARP transport)".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn address_selection_prefers_ipv4_and_checks_a_wanted_one() {
+        let a: Vec<IpAddr> = vec!["fe80::1".parse().unwrap(), "192.168.78.1".parse().unwrap()];
+        assert_eq!(select_address(Some("dummy1"), &a, None).unwrap(), a[1]);
+        assert_eq!(
+            select_address(Some("dummy1"), &a, Some(a[0])).unwrap(),
+            a[0]
+        );
+        assert!(
+            select_address(Some("dummy1"), &a, Some("10.0.0.1".parse().unwrap()))
+                .unwrap_err()
+                .contains("not on")
+        );
+        assert!(select_address(None, &[], None)
+            .unwrap_err()
+            .contains("no IP address"));
+    }
+
+    #[test]
+    fn atomics_and_immediate_data_are_declared_unsupported_with_reasons() {
+        let dev = DeviceFacts {
+            name: "siw0".into(),
+            transport: Transport::Iwarp,
+            node_guid: 0,
+            fw_ver: String::new(),
+            max_mr_size: 1 << 40,
+            max_qp_wr: 32768,
+            max_sge: 6,
+            max_sge_rd: 1,
+            max_cqe: 1 << 20,
+            max_qp_rd_atom: 128,
+            max_qp_init_rd_atom: 128,
+            atomic_cap: 0,
+            max_inline: 80,
+            ports: Vec::new(),
+        };
+        let p = Iwarp::profile(&dev);
+        assert!(!p.atomics && !p.immediate && p.credits && p.split_reads && p.sink_remote_write);
+        for k in ["FETCH_ADD", "COMPARE_SWAP", "SEND_IMM", "WRITE_IMM"] {
+            assert!(p.unsupported[k].contains("iWARP"), "{k}");
+        }
+        assert!(Iwarp::accepts(&dev).is_ok());
+        let roce = DeviceFacts {
+            transport: Transport::InfiniBand,
+            ..dev
+        };
+        assert!(Iwarp::accepts(&roce).unwrap_err().contains("not iWARP"));
+    }
+}

@@ -1,0 +1,285 @@
+//! The connection manager: one rdma_cm event channel per domain, read by one thread that
+//! acknowledges every event at once and hands it to whoever waits for it (a connect or
+//! accept in progress, a listener) or acts on it (a peer's disconnect of an established
+//! endpoint: `Disconnected`, and the queue pair flushed).
+//!
+//! Also the RNR thread of iWARP domains: it retries sends held back for lack of credits.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::thread::{JoinHandle, ThreadId};
+use std::time::{Duration, Instant};
+
+use crate::ep::EpCore;
+use crate::ffi::{self, cm_event, CmEvent, CmId, EventChannel, EventFd};
+
+/// Events for one identifier, waited on with a deadline.
+#[derive(Debug, Default)]
+pub(crate) struct Mailbox {
+    q: Mutex<VecDeque<CmEvent>>,
+    cv: Condvar,
+}
+
+impl Mailbox {
+    fn push(&self, ev: CmEvent) {
+        self.q.lock().expect("mailbox poisoned").push_back(ev);
+        self.cv.notify_all();
+    }
+
+    /// The next event, or `None` once `deadline` passed.
+    pub fn wait(&self, deadline: Instant) -> Option<CmEvent> {
+        let mut q = self.q.lock().expect("mailbox poisoned");
+        loop {
+            if let Some(ev) = q.pop_front() {
+                return Some(ev);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            q = self.cv.wait_timeout(q, left).expect("mailbox poisoned").0;
+        }
+    }
+
+    /// Everything queued now.
+    pub fn take_all(&self) -> Vec<CmEvent> {
+        self.q.lock().expect("mailbox poisoned").drain(..).collect()
+    }
+}
+
+/// Who gets an identifier's events.
+#[derive(Debug)]
+pub(crate) enum Target {
+    /// Someone waits (connect, accept, listen).
+    Mailbox(Arc<Mailbox>),
+    /// An established endpoint.
+    Endpoint(Weak<EpCore>),
+}
+
+#[derive(Debug)]
+struct CmShared {
+    chan: EventChannel,
+    stop: EventFd,
+    reg: Mutex<HashMap<usize, Target>>,
+}
+
+/// A domain's connection manager.
+pub(crate) struct Cm {
+    shared: Arc<CmShared>,
+    thread: Option<(JoinHandle<()>, ThreadId)>,
+}
+
+impl fmt::Debug for Cm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cm")
+            .field("fd", &self.shared.chan.fd())
+            .finish()
+    }
+}
+
+impl Cm {
+    pub fn new(name: &str) -> std::io::Result<Cm> {
+        let shared = Arc::new(CmShared {
+            chan: EventChannel::new()?,
+            stop: EventFd::new()?,
+            reg: Mutex::new(HashMap::new()),
+        });
+        let s2 = shared.clone();
+        let h = std::thread::Builder::new()
+            .name(format!("fabric-{name}-cm"))
+            .spawn(move || run(s2))?;
+        let tid = h.thread().id();
+        Ok(Cm {
+            shared,
+            thread: Some((h, tid)),
+        })
+    }
+
+    /// A new identifier on this domain's channel.
+    pub fn create_id(&self) -> std::io::Result<CmId> {
+        CmId::new(&self.shared.chan)
+    }
+
+    pub fn register(&self, key: usize, t: Target) {
+        self.shared
+            .reg
+            .lock()
+            .expect("cm registry poisoned")
+            .insert(key, t);
+    }
+
+    pub fn unregister(&self, key: usize) {
+        self.shared
+            .reg
+            .lock()
+            .expect("cm registry poisoned")
+            .remove(&key);
+    }
+}
+
+impl Drop for Cm {
+    fn drop(&mut self) {
+        self.shared.stop.signal();
+        if let Some((h, tid)) = self.thread.take() {
+            // The thread itself may drop the last domain reference (through an endpoint it
+            // was handling): then it exits on its own after this.
+            if std::thread::current().id() != tid {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+fn run(s: Arc<CmShared>) {
+    loop {
+        let ready = match ffi::poll_fds(&[s.chan.fd(), s.stop.fd()], None) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!("connection manager poll failed: {e}");
+                return;
+            }
+        };
+        if ready[1] {
+            return;
+        }
+        while let Some(ev) = s.chan.next() {
+            dispatch(&s, ev);
+        }
+    }
+}
+
+fn dispatch(s: &CmShared, ev: CmEvent) {
+    tracing::trace!(kind = ev.kind, status = ev.status, "rdma_cm event");
+    let reg = s.reg.lock().expect("cm registry poisoned");
+    if ev.kind == cm_event::RDMA_CM_EVENT_CONNECT_REQUEST {
+        if let Some(Target::Mailbox(mb)) = reg.get(&ev.listen_id) {
+            mb.push(ev);
+            return;
+        }
+        drop(reg);
+        // Nobody listens any more: refuse and destroy the request's identifier.
+        // SAFETY: the event's identifier is a new one that nobody else adopted.
+        #[allow(unsafe_code)]
+        let id = unsafe { CmId::adopt(ev.id) };
+        id.reject();
+        return;
+    }
+    match reg.get(&ev.id) {
+        Some(Target::Mailbox(mb)) => mb.push(ev),
+        Some(Target::Endpoint(w)) => {
+            let ep = w.upgrade();
+            drop(reg);
+            if let Some(ep) = ep {
+                handle_endpoint_event(&ep, &ev);
+            }
+        }
+        None => {}
+    }
+}
+
+/// Acts on an event of an established endpoint.
+pub(crate) fn handle_endpoint_event(ep: &Arc<EpCore>, ev: &CmEvent) {
+    match ev.kind {
+        cm_event::RDMA_CM_EVENT_DISCONNECTED | cm_event::RDMA_CM_EVENT_DEVICE_REMOVAL => {
+            ep.on_disconnected()
+        }
+        _ => {}
+    }
+}
+
+/// The RNR thread of a domain: while an endpoint holds sends back for lack of credits (or
+/// owes its peer a credit update), it retries on a timer, as a device retries after an RNR
+/// NAK. It sleeps without a timeout when nothing is blocked.
+#[derive(Debug)]
+pub(crate) struct Rnr {
+    shared: Arc<RnrShared>,
+    thread: Mutex<Option<(JoinHandle<()>, ThreadId)>>,
+    name: String,
+}
+
+#[derive(Debug, Default)]
+struct RnrShared {
+    list: Mutex<Vec<Weak<EpCore>>>,
+    cv: Condvar,
+    stop: AtomicBool,
+}
+
+impl Rnr {
+    pub fn new(name: &str) -> Rnr {
+        Rnr {
+            shared: Arc::default(),
+            thread: Mutex::new(None),
+            name: name.to_string(),
+        }
+    }
+
+    /// Registers a blocked endpoint (starting the thread on first use).
+    pub fn add(&self, ep: Weak<EpCore>) {
+        let mut t = self.thread.lock().expect("rnr poisoned");
+        if t.is_none() {
+            let s = self.shared.clone();
+            match std::thread::Builder::new()
+                .name(format!("fabric-{}-rnr", self.name))
+                .spawn(move || rnr_main(s))
+            {
+                Ok(h) => {
+                    let id = h.thread().id();
+                    *t = Some((h, id));
+                }
+                Err(e) => tracing::error!("cannot start the RNR thread: {e}"),
+            }
+        }
+        drop(t);
+        self.shared.list.lock().expect("rnr poisoned").push(ep);
+        self.shared.cv.notify_all();
+    }
+}
+
+impl Drop for Rnr {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.cv.notify_all();
+        if let Some((h, tid)) = self.thread.lock().expect("rnr poisoned").take() {
+            if std::thread::current().id() != tid {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+fn rnr_main(s: Arc<RnrShared>) {
+    const MIN: Duration = Duration::from_micros(100);
+    const MAX: Duration = Duration::from_millis(2);
+    let mut delay = MIN;
+    loop {
+        let batch: Vec<Weak<EpCore>> = {
+            let mut l = s.list.lock().expect("rnr poisoned");
+            while l.is_empty() && !s.stop.load(Ordering::Acquire) {
+                l = s.cv.wait(l).expect("rnr poisoned");
+                delay = MIN;
+            }
+            if s.stop.load(Ordering::Acquire) {
+                return;
+            }
+            l = s.cv.wait_timeout(l, delay).expect("rnr poisoned").0;
+            std::mem::take(&mut *l)
+        };
+        let before = batch.len();
+        let mut still = Vec::new();
+        for w in batch {
+            if let Some(ep) = w.upgrade() {
+                if ep.retry_blocked() {
+                    still.push(w);
+                }
+            }
+        }
+        delay = if still.len() < before {
+            MIN
+        } else {
+            (delay * 2).min(MAX)
+        };
+        s.list.lock().expect("rnr poisoned").extend(still);
+    }
+}

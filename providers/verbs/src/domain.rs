@@ -1,0 +1,973 @@
+//! Domains (device, port, protection domain, connection manager), provider discovery,
+//! memory registration, listeners, and connection setup through rdma_cm.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::marker::PhantomData;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fabric_api::spi::{self, EndpointConfig};
+use fabric_api::{
+    Access, Availability, Buffer, Capabilities, DeviceInfo, Error, ErrorKind, Limits, MemoryRegion,
+    OpSet, ProviderCode, ProviderInfo, Registration, Result,
+};
+
+use crate::cm::{self, Cm, Mailbox, Rnr, Target};
+use crate::cq::{CqInner, VerbsCq};
+use crate::device::{self, DeviceFacts};
+use crate::ep::{CreditArea, EpCore, EpParts, VerbsEndpoint};
+use crate::ffi::{self, access, cm_event, CmEvent, CmId, ConnParam, Ctx, HwCq, Mr, Pd, QpCaps};
+use crate::{Flavor, Profile, Selection, VerbsOptions};
+
+/// First byte of the core's private-data header.
+const PD_MAGIC: u8 = 0xfb;
+/// Header: magic, application length.
+const PD_HEADER: usize = 2;
+/// Size of an iWARP credit-area descriptor in the private data.
+const PD_CREDIT: usize = 12;
+/// Completion-queue entries the provider keeps for its own requests, on top of twice the
+/// application's capacity, where the profile adds requests (iWARP).
+const INTERNAL_EXTRA: usize = 64;
+/// Hardware send-queue room for credit updates and close marks (iWARP).
+const CREDIT_SLOTS: usize = 32;
+/// Outstanding reads/atomics asked for (capped by the device).
+const WANT_RD_ATOM: u32 = 16;
+
+/// Everything discovery learns for one flavor: the usable device, or why there is none.
+struct Found {
+    devices: Vec<(DeviceFacts, Result<Selection, String>)>,
+    problem: Option<String>,
+}
+
+fn find<F: Flavor>(opts: &VerbsOptions) -> Found {
+    let all = match device::probe() {
+        Ok(d) => d,
+        Err(e) => {
+            return Found {
+                devices: Vec::new(),
+                problem: Some(format!("{}: {}", F::no_device(), e.reason())),
+            }
+        }
+    };
+    let mine: Vec<DeviceFacts> = all
+        .iter()
+        .filter(|d| F::accepts(d).is_ok())
+        .filter(|d| opts.device.as_ref().is_none_or(|n| *n == d.name))
+        .cloned()
+        .collect();
+    if mine.is_empty() {
+        let others: Vec<String> = all
+            .iter()
+            .map(|d| {
+                format!(
+                    "{} ({})",
+                    d.name,
+                    F::accepts(d).err().unwrap_or_else(|| "not selected".into())
+                )
+            })
+            .collect();
+        let mut reason = F::no_device();
+        if let Some(n) = &opts.device {
+            reason = format!("{reason}; configured device {n} not found or not of this kind");
+        }
+        if !others.is_empty() {
+            reason = format!("{reason}; devices present: {}", others.join(", "));
+        }
+        return Found {
+            devices: Vec::new(),
+            problem: Some(reason),
+        };
+    }
+    let devices: Vec<_> = mine
+        .into_iter()
+        .map(|d| {
+            let s = F::select(&d, opts);
+            (d, s)
+        })
+        .collect();
+    let mut problem = None;
+    if !devices.iter().any(|(_, s)| s.is_ok()) {
+        let why: Vec<String> = devices
+            .iter()
+            .map(|(d, s)| {
+                format!(
+                    "{}: {}",
+                    d.name,
+                    s.as_ref().err().cloned().unwrap_or_default()
+                )
+            })
+            .collect();
+        problem = Some(why.join("; "));
+    } else if let Some(m) = device::memlock_problem() {
+        problem = Some(m);
+    }
+    Found { devices, problem }
+}
+
+fn limits_of(dev: &DeviceFacts, p: &Profile, port: u8) -> Limits {
+    let ord = dev
+        .max_qp_init_rd_atom
+        .min(dev.max_qp_rd_atom)
+        .min(WANT_RD_ATOM);
+    let max_msg = dev
+        .ports
+        .iter()
+        .find(|x| x.num == port)
+        .map_or(1 << 31, |x| u64::from(x.max_msg))
+        .max(1);
+    let header = PD_HEADER + if p.credits { PD_CREDIT } else { 0 };
+    let pieces = pieces(dev, p);
+    let extra_sq = if p.credits { CREDIT_SLOTS as u32 } else { 0 };
+    let (cq_div, cq_extra) = if p.delivery_reads || p.split_reads || p.credits {
+        (pieces as u32 + 1, INTERNAL_EXTRA as u32)
+    } else {
+        (1, 0)
+    };
+    Limits {
+        max_msg_size: max_msg,
+        max_inline: if dev.max_inline >= 8 || !p.credits {
+            dev.max_inline
+        } else {
+            0
+        },
+        max_sge: dev.max_sge,
+        max_send_queue: (dev.max_qp_wr.saturating_sub(extra_sq)) / pieces as u32,
+        max_recv_queue: dev.max_qp_wr,
+        max_cq_entries: dev.max_cqe.saturating_sub(cq_extra) / cq_div,
+        max_outstanding_reads: ord,
+        max_private_data: p.transport_private_data.saturating_sub(header as u32),
+    }
+}
+
+/// Hardware requests one application request may need at most.
+fn pieces(dev: &DeviceFacts, p: &Profile) -> usize {
+    let reads = if p.split_reads {
+        dev.max_sge.max(1) as usize
+    } else {
+        1
+    };
+    let writes = if p.delivery_reads { 2 } else { 1 };
+    reads.max(writes)
+}
+
+fn ops_of(p: &Profile, limits: &Limits) -> OpSet {
+    let mut ops = OpSet::SEND | OpSet::WRITE | OpSet::READ;
+    if limits.max_inline > 0 {
+        ops |= OpSet::INLINE;
+    }
+    if p.immediate {
+        ops |= OpSet::SEND_IMM | OpSet::WRITE_IMM;
+    }
+    if p.atomics {
+        ops |= OpSet::ATOMICS;
+    }
+    ops
+}
+
+fn device_info(d: &DeviceFacts, sel: &Result<Selection, String>) -> DeviceInfo {
+    let mut details = d.details();
+    match sel {
+        Ok(s) => {
+            details.insert("selected".into(), s.summary.clone());
+        }
+        Err(e) => {
+            details.insert("unusable".into(), e.clone());
+        }
+    }
+    DeviceInfo {
+        name: d.name.clone(),
+        transport: d.transport.name(),
+        link_layer: d
+            .ports
+            .first()
+            .map_or("-", |p| p.link_layer.name())
+            .to_string(),
+        details,
+    }
+}
+
+fn empty_caps<F: Flavor>() -> Capabilities {
+    Capabilities {
+        ops: OpSet::empty(),
+        limits: Limits {
+            max_msg_size: 0,
+            max_inline: 0,
+            max_sge: 0,
+            max_send_queue: 0,
+            max_recv_queue: 0,
+            max_cq_entries: 0,
+            max_outstanding_reads: 0,
+            max_private_data: 0,
+        },
+        imm_size: 0,
+        emulated: Vec::new(),
+        unsupported: BTreeMap::new(),
+    }
+}
+
+fn caps_of(d: &DeviceFacts, p: &Profile, port: u8) -> Capabilities {
+    let limits = limits_of(d, p, port);
+    Capabilities {
+        ops: ops_of(p, &limits),
+        limits,
+        imm_size: if p.immediate { 4 } else { 0 },
+        emulated: p.emulated.clone(),
+        unsupported: p.unsupported.clone(),
+    }
+}
+
+/// What `discover()` reports for the provider `F`.
+pub fn provider_info<F: Flavor>(opts: &VerbsOptions) -> ProviderInfo {
+    let found = find::<F>(opts);
+    let devices: Vec<DeviceInfo> = found
+        .devices
+        .iter()
+        .map(|(d, s)| device_info(d, s))
+        .collect();
+    let usable = found.devices.iter().find(|(_, s)| s.is_ok());
+    let caps = match usable {
+        Some((d, Ok(s))) => caps_of(d, &F::profile(d), s.port),
+        _ => empty_caps::<F>(),
+    };
+    ProviderInfo {
+        name: F::NAME.into(),
+        availability: match found.problem {
+            None => Availability::Available,
+            Some(reason) => Availability::Unavailable { reason },
+        },
+        devices,
+        caps,
+    }
+}
+
+/// The shared part of a domain.
+pub(crate) struct DomainInner {
+    pub id: u64,
+    pub dev: DeviceFacts,
+    pub sel: Selection,
+    pub profile: Profile,
+    pub limits: Limits,
+    pub info: ProviderInfo,
+    pub opts: VerbsOptions,
+    pub ctx: Ctx,
+    pub pd: Arc<Pd>,
+    pub rnr: Rnr,
+    pub cm: Cm,
+}
+
+impl fmt::Debug for DomainInner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DomainInner")
+            .field("id", &self.id)
+            .field("device", &self.dev.name)
+            .field("selection", &self.sel.summary)
+            .finish()
+    }
+}
+
+impl DomainInner {
+    /// Registers a buffer with raw verbs access flags.
+    pub fn register_raw(&self, buf: &Arc<Buffer>, flags: u32) -> Result<Mr> {
+        Mr::register(&self.pd, buf, flags).map_err(|e| {
+            let hint = if e.raw_os_error() == Some(libc::ENOMEM)
+                || e.raw_os_error() == Some(libc::EPERM)
+            {
+                format!(
+                    " (memory lock limit: {})",
+                    ffi::memlock_limit()
+                        .map_or("unlimited".into(), |l| format!("{} KiB", l / 1024))
+                )
+            } else {
+                String::new()
+            };
+            Error::new(
+                ErrorKind::Io,
+                format!("ibv_reg_mr of {} bytes failed: {e}{hint}", buf.len()),
+            )
+            .with_code(ProviderCode::Errno(e.raw_os_error().unwrap_or(0)))
+        })
+    }
+
+    fn check_cfg<F: Flavor>(&self, cfg: &EndpointConfig<'_, VerbsCq<F>>) -> Result<()> {
+        for (name, d, max) in [
+            ("send queue", cfg.sq_depth, self.limits.max_send_queue),
+            ("receive queue", cfg.rq_depth, self.limits.max_recv_queue),
+        ] {
+            if d == 0 || d > max {
+                return Err(Error::invalid(format!(
+                    "{name} depth {d} outside 1..={max}"
+                )));
+            }
+        }
+        if cfg.private_data.len() > self.limits.max_private_data as usize {
+            return Err(Error::invalid(format!(
+                "{} bytes of private data exceed the maximum of {} on {}",
+                cfg.private_data.len(),
+                self.limits.max_private_data,
+                self.dev.name
+            )));
+        }
+        for cq in [cfg.send_cq, cfg.recv_cq] {
+            if cq.inner.hw.ctx != self.ctx {
+                return Err(Error::invalid("completion queue belongs to another device"));
+            }
+        }
+        Ok(())
+    }
+
+    fn frame(&self, app: &[u8], credit: Option<&(Arc<Buffer>, Mr)>) -> Vec<u8> {
+        let mut v = vec![PD_MAGIC, app.len() as u8];
+        if let Some((b, m)) = credit {
+            v.extend_from_slice(&CreditArea::encode(b, m));
+        }
+        v.extend_from_slice(app);
+        v
+    }
+
+    fn unframe(&self, raw: &[u8]) -> Result<(Vec<u8>, Option<(u64, u32)>)> {
+        let bad = |what: &str| {
+            Error::new(
+                ErrorKind::Protocol,
+                format!("peer's connection private data: {what}"),
+            )
+        };
+        if raw.len() < PD_HEADER || raw[0] != PD_MAGIC {
+            return Err(bad("not from this framework (no header)"));
+        }
+        let len = usize::from(raw[1]);
+        let mut at = PD_HEADER;
+        let credit = if self.profile.credits {
+            let c = CreditArea::decode(
+                raw.get(at..at + PD_CREDIT)
+                    .ok_or_else(|| bad("credit area missing"))?,
+            );
+            at += PD_CREDIT;
+            c
+        } else {
+            None
+        };
+        let app = raw
+            .get(at..at + len)
+            .ok_or_else(|| bad("truncated"))?
+            .to_vec();
+        Ok((app, credit))
+    }
+
+    fn qp_caps(&self, sq: u32, rq: u32) -> QpCaps {
+        let pieces = pieces(&self.dev, &self.profile) as u32;
+        let extra = if self.profile.credits {
+            CREDIT_SLOTS as u32
+        } else {
+            0
+        };
+        QpCaps {
+            send_wr: (sq * pieces + extra).min(self.dev.max_qp_wr),
+            recv_wr: rq,
+            send_sge: self.dev.max_sge,
+            recv_sge: self.dev.max_sge,
+            inline: self.limits.max_inline,
+        }
+    }
+
+    fn rd_atom(&self) -> u8 {
+        self.limits.max_outstanding_reads.min(255) as u8
+    }
+}
+
+/// A protection domain of a verbs provider on one device and port.
+pub struct VerbsDomain<F: Flavor> {
+    pub(crate) inner: Arc<DomainInner>,
+    _f: PhantomData<fn() -> F>,
+}
+
+impl<F: Flavor> Clone for VerbsDomain<F> {
+    fn clone(&self) -> Self {
+        VerbsDomain {
+            inner: self.inner.clone(),
+            _f: PhantomData,
+        }
+    }
+}
+
+impl<F: Flavor> fmt::Debug for VerbsDomain<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VerbsDomain")
+            .field("provider", &F::NAME)
+            .field("inner", &self.inner)
+            .finish()
+    }
+}
+
+impl<F: Flavor> VerbsDomain<F> {
+    /// Opens a domain on the first usable device of this provider.
+    pub fn open(opts: VerbsOptions) -> Result<Self> {
+        let found = find::<F>(&opts);
+        if let Some(p) = found.problem {
+            return Err(Error::new(ErrorKind::NoDevice, format!("{}: {p}", F::NAME)));
+        }
+        let (dev, sel) = found
+            .devices
+            .into_iter()
+            .find_map(|(d, s)| s.ok().map(|s| (d, s)))
+            .ok_or_else(|| Error::new(ErrorKind::NoDevice, F::no_device()))?;
+        let profile = F::profile(&dev);
+        let caps = caps_of(&dev, &profile, sel.port);
+        let limits = caps.limits;
+        let ctx = Ctx::by_name(&dev.name).map_err(|e| {
+            Error::new(
+                ErrorKind::NoDevice,
+                format!("librdmacm cannot open {}: {e}", dev.name),
+            )
+        })?;
+        let pd = Pd::alloc(ctx).map_err(Error::from)?;
+        let info = ProviderInfo {
+            name: F::NAME.into(),
+            availability: Availability::Available,
+            devices: vec![device_info(&dev, &Ok(sel.clone()))],
+            caps,
+        };
+        let cm = Cm::new(F::NAME).map_err(Error::from)?;
+        tracing::debug!(provider = F::NAME, device = %dev.name, selection = %sel.summary, "verbs domain opened");
+        Ok(VerbsDomain {
+            inner: Arc::new(DomainInner {
+                id: fabric_api::region::next_domain_id(),
+                rnr: Rnr::new(F::NAME),
+                dev,
+                sel,
+                profile,
+                limits,
+                info,
+                opts,
+                ctx,
+                pd,
+                cm,
+            }),
+            _f: PhantomData,
+        })
+    }
+
+    /// The device, port, address and GID in use, in words (for the selection report).
+    pub fn selection(&self) -> &Selection {
+        &self.inner.sel
+    }
+
+    /// The device's facts.
+    pub fn device(&self) -> &DeviceFacts {
+        &self.inner.dev
+    }
+
+    fn endpoint(
+        &self,
+        id: CmId,
+        cfg: &EndpointConfig<'_, VerbsCq<F>>,
+        peer_private: Vec<u8>,
+        credit: Option<CreditArea>,
+        hw_sq_cap: usize,
+    ) -> VerbsEndpoint<F> {
+        let core = EpCore::new(EpParts {
+            id,
+            dom: self.inner.clone(),
+            send_cq: cfg.send_cq.inner.clone(),
+            recv_cq: cfg.recv_cq.inner.clone(),
+            sq_depth: cfg.sq_depth as usize,
+            rq_depth: cfg.rq_depth as usize,
+            hw_sq_cap,
+            peer_private,
+            credit,
+        });
+        VerbsEndpoint {
+            core,
+            _f: PhantomData,
+        }
+    }
+
+    /// Switches an identifier's events to its endpoint, replaying what came meanwhile.
+    fn go_live(&self, ep: &VerbsEndpoint<F>, mb: &Mailbox) {
+        self.inner
+            .cm
+            .register(ep.core.id.key(), Target::Endpoint(Arc::downgrade(&ep.core)));
+        for ev in mb.take_all() {
+            cm::handle_endpoint_event(&ep.core, &ev);
+        }
+    }
+
+    fn make_qp(&self, id: &mut CmId, cfg: &EndpointConfig<'_, VerbsCq<F>>) -> Result<usize> {
+        let d = &self.inner;
+        let caps = d.qp_caps(cfg.sq_depth, cfg.rq_depth);
+        let got = id
+            .create_qp(&d.pd, &cfg.send_cq.inner.hw, &cfg.recv_cq.inner.hw, caps)
+            .map_err(|e| Error::from(e).with_code(ProviderCode::Errno(0)))
+            .map_err(|e| {
+                Error::new(
+                    e.kind(),
+                    format!("creating the queue pair: {}", e.message()),
+                )
+            })?;
+        Ok(got.send_wr as usize)
+    }
+
+    fn credit_area(&self) -> Result<Option<(Arc<Buffer>, Mr)>> {
+        if self.inner.profile.credits {
+            CreditArea::local(&self.inner).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+fn unreachable_err(addr: SocketAddr, e: std::io::Error) -> Error {
+    Error::new(ErrorKind::TimedOut, format!("{addr} is unreachable: {e}"))
+        .with_code(ProviderCode::Errno(e.raw_os_error().unwrap_or(0)))
+}
+
+fn event_error(addr: SocketAddr, what: &str, ev: &CmEvent) -> Error {
+    let code = ProviderCode::Errno(ev.status.abs());
+    let kind = match ev.kind {
+        cm_event::RDMA_CM_EVENT_REJECTED => ErrorKind::ConnectionRefused,
+        cm_event::RDMA_CM_EVENT_CONNECT_ERROR if ev.status.abs() == libc::ECONNREFUSED => {
+            ErrorKind::ConnectionRefused
+        }
+        cm_event::RDMA_CM_EVENT_ADDR_ERROR
+        | cm_event::RDMA_CM_EVENT_ROUTE_ERROR
+        | cm_event::RDMA_CM_EVENT_UNREACHABLE => ErrorKind::TimedOut,
+        _ => ErrorKind::Io,
+    };
+    let msg = match kind {
+        ErrorKind::ConnectionRefused => format!(
+            "nobody listens at {addr} (connection rejected, status {})",
+            ev.status
+        ),
+        ErrorKind::TimedOut => format!(
+            "{addr} is unreachable ({what}: event {}, status {})",
+            ev.kind, ev.status
+        ),
+        _ => format!(
+            "{what} with {addr} failed: event {}, status {}",
+            ev.kind, ev.status
+        ),
+    };
+    Error::new(kind, msg).with_code(code)
+}
+
+/// Waits for `want` on `mb`; other events are errors.
+fn expect(
+    mb: &Mailbox,
+    deadline: Instant,
+    want: u32,
+    addr: SocketAddr,
+    what: &str,
+    timeout: Duration,
+) -> Result<CmEvent> {
+    loop {
+        let Some(ev) = mb.wait(deadline) else {
+            return Err(Error::new(
+                ErrorKind::TimedOut,
+                format!("{what} with {addr}: no answer within {timeout:?}"),
+            ));
+        };
+        if ev.kind == want {
+            return Ok(ev);
+        }
+        if ev.kind == cm_event::RDMA_CM_EVENT_TIMEWAIT_EXIT
+            || ev.kind == cm_event::RDMA_CM_EVENT_ADDR_CHANGE
+        {
+            continue;
+        }
+        return Err(event_error(addr, what, &ev));
+    }
+}
+
+/// Unregisters an identifier when setup fails.
+struct RegGuard<'a> {
+    cm: &'a Cm,
+    key: usize,
+    armed: bool,
+}
+
+impl Drop for RegGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.cm.unregister(self.key);
+        }
+    }
+}
+
+impl<F: Flavor> spi::Domain for VerbsDomain<F> {
+    type Cq = VerbsCq<F>;
+    type Endpoint = VerbsEndpoint<F>;
+    type Listener = VerbsListener<F>;
+
+    fn info(&self) -> &ProviderInfo {
+        &self.inner.info
+    }
+
+    fn register(&self, buffer: Arc<Buffer>, acc: Access) -> Result<MemoryRegion> {
+        acc.validate()?;
+        let d = &self.inner;
+        let mut local = 0;
+        if acc.contains(Access::LOCAL_WRITE) {
+            local |= access::LOCAL_WRITE;
+            if d.profile.sink_remote_write {
+                local |= access::REMOTE_WRITE;
+            }
+        }
+        let mut remote = 0;
+        if acc.contains(Access::REMOTE_WRITE) {
+            remote |= access::REMOTE_WRITE;
+        }
+        if acc.contains(Access::REMOTE_READ) {
+            remote |= access::REMOTE_READ;
+        }
+        if acc.contains(Access::REMOTE_ATOMIC) {
+            if !d.profile.atomics {
+                // iWARP has no atomics: the key simply grants none.
+            } else {
+                remote |= access::REMOTE_ATOMIC;
+            }
+        }
+        let local_mr = d.register_raw(&buffer, local)?;
+        let remote_mr = if remote != 0 {
+            if acc.contains(Access::LOCAL_WRITE) {
+                remote |= access::LOCAL_WRITE;
+            }
+            Some(d.register_raw(&buffer, remote)?)
+        } else {
+            None
+        };
+        let reg = VerbsRegistration {
+            lkey: local_mr.lkey(),
+            rkey: remote_mr.as_ref().map_or(0, Mr::rkey),
+            _local: local_mr,
+            remote: Mutex::new(remote_mr),
+        };
+        Ok(MemoryRegion::new(buffer, acc, d.id, Box::new(reg)))
+    }
+
+    fn create_cq(&self, capacity: usize) -> Result<VerbsCq<F>> {
+        let d = &self.inner;
+        let max = d.limits.max_cq_entries as usize;
+        if capacity == 0 || capacity > max {
+            return Err(Error::invalid(format!(
+                "completion queue capacity {capacity} outside 1..={max}"
+            )));
+        }
+        let p = &d.profile;
+        let internal = if p.credits || p.delivery_reads || p.split_reads {
+            capacity * (pieces(&d.dev, p) - 1).max(1) + INTERNAL_EXTRA
+        } else {
+            0
+        };
+        let hw = HwCq::new(d.ctx, capacity + internal).map_err(|e| Error::from(e))?;
+        Ok(VerbsCq::new(CqInner::new(hw, capacity, internal)?))
+    }
+
+    fn listen(&self, addr: SocketAddr) -> Result<VerbsListener<F>> {
+        let d = &self.inner;
+        let id = d.cm.create_id()?;
+        let mb = Arc::new(Mailbox::default());
+        d.cm.register(id.key(), Target::Mailbox(mb.clone()));
+        let mut guard = RegGuard {
+            cm: &d.cm,
+            key: id.key(),
+            armed: true,
+        };
+        id.bind(addr).map_err(|e| {
+            let kind = if e.raw_os_error() == Some(libc::EADDRNOTAVAIL)
+                || e.raw_os_error() == Some(libc::ENODEV)
+            {
+                ErrorKind::InvalidArgument
+            } else {
+                Error::from(std::io::Error::from_raw_os_error(
+                    e.raw_os_error().unwrap_or(0),
+                ))
+                .kind()
+            };
+            Error::new(kind, format!("rdma_bind_addr({addr}): {e}"))
+                .with_code(ProviderCode::Errno(e.raw_os_error().unwrap_or(0)))
+        })?;
+        if let Some(c) = id.ctx() {
+            if c != d.ctx {
+                return Err(Error::invalid(format!(
+                    "{addr} belongs to another RDMA device than {} (the {} provider's)",
+                    d.dev.name,
+                    F::NAME
+                )));
+            }
+        }
+        id.listen(64)?;
+        let local = id.local_addr().unwrap_or(addr);
+        guard.armed = false;
+        Ok(VerbsListener {
+            dom: self.clone(),
+            id: Some(id),
+            mb,
+            local,
+        })
+    }
+
+    fn connect(
+        &self,
+        addr: SocketAddr,
+        cfg: &EndpointConfig<'_, VerbsCq<F>>,
+    ) -> Result<VerbsEndpoint<F>> {
+        let d = &self.inner;
+        d.check_cfg(cfg)?;
+        let deadline = Instant::now() + cfg.timeout;
+        let left = || {
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1))
+        };
+        let mb = Arc::new(Mailbox::default());
+        let mut id = d.cm.create_id()?;
+        d.cm.register(id.key(), Target::Mailbox(mb.clone()));
+        let mut guard = RegGuard {
+            cm: &d.cm,
+            key: id.key(),
+            armed: true,
+        };
+        if let Some(tos) = d.opts.traffic_class {
+            id.set_tos(tos)
+                .map_err(|e| Error::new(ErrorKind::Config, format!("traffic class {tos}: {e}")))?;
+        }
+        let src = d.sel.addr.map(|ip| SocketAddr::new(ip, 0));
+        id.resolve_addr(src, addr, left())
+            .map_err(|e| unreachable_err(addr, e))?;
+        expect(
+            &mb,
+            deadline,
+            cm_event::RDMA_CM_EVENT_ADDR_RESOLVED,
+            addr,
+            "address resolution",
+            cfg.timeout,
+        )?;
+        if id.ctx() != Some(d.ctx) {
+            return Err(Error::invalid(format!(
+                "the route to {addr} leaves through another RDMA device than {}",
+                d.dev.name
+            )));
+        }
+        id.resolve_route(left())
+            .map_err(|e| unreachable_err(addr, e))?;
+        expect(
+            &mb,
+            deadline,
+            cm_event::RDMA_CM_EVENT_ROUTE_RESOLVED,
+            addr,
+            "route resolution",
+            cfg.timeout,
+        )?;
+        let hw_sq_cap = self.make_qp(&mut id, cfg)?;
+        let credit = self.credit_area()?;
+        let private = d.frame(cfg.private_data, credit.as_ref());
+        let rd = d.rd_atom();
+        id.connect(&ConnParam {
+            private_data: &private,
+            responder_resources: rd,
+            initiator_depth: rd,
+            retry_count: d.profile.retry,
+            rnr_retry_count: d.profile.rnr_retry,
+        })
+        .map_err(|e| Error::from(e))?;
+        let ev = expect(
+            &mb,
+            deadline,
+            cm_event::RDMA_CM_EVENT_ESTABLISHED,
+            addr,
+            "connection",
+            cfg.timeout,
+        )?;
+        let (peer_private, peer_credit) = match d.unframe(&ev.private_data) {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = id.disconnect();
+                return Err(e);
+            }
+        };
+        let credit = match (credit, peer_credit) {
+            (Some((buf, mr)), Some(peer)) => Some(CreditArea { buf, mr, peer }),
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(Error::new(ErrorKind::Protocol, "peer sent no credit area"))
+            }
+        };
+        guard.armed = false;
+        let ep = self.endpoint(id, cfg, peer_private, credit, hw_sq_cap);
+        self.go_live(&ep, &mb);
+        Ok(ep)
+    }
+}
+
+/// A listener of a verbs provider (an rdma_cm identifier bound and listening).
+pub struct VerbsListener<F: Flavor> {
+    dom: VerbsDomain<F>,
+    id: Option<CmId>,
+    mb: Arc<Mailbox>,
+    local: SocketAddr,
+}
+
+impl<F: Flavor> fmt::Debug for VerbsListener<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VerbsListener")
+            .field("provider", &F::NAME)
+            .field("local", &self.local)
+            .finish()
+    }
+}
+
+impl<F: Flavor> spi::Listener for VerbsListener<F> {
+    type Cq = VerbsCq<F>;
+    type Endpoint = VerbsEndpoint<F>;
+
+    fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    fn accept(
+        &self,
+        cfg: &EndpointConfig<'_, VerbsCq<F>>,
+        timeout: Duration,
+    ) -> Result<VerbsEndpoint<F>> {
+        let d = &self.dom.inner;
+        d.check_cfg(cfg)?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let Some(ev) = self.mb.wait(deadline) else {
+                return Err(Error::new(
+                    ErrorKind::TimedOut,
+                    format!("no connection request within {timeout:?}"),
+                ));
+            };
+            if ev.kind != cm_event::RDMA_CM_EVENT_CONNECT_REQUEST {
+                continue;
+            }
+            // SAFETY: a connection request's identifier is new and adopted only here.
+            #[allow(unsafe_code)]
+            let mut id = unsafe { CmId::adopt(ev.id) };
+            if id.ctx() != Some(d.ctx) {
+                tracing::warn!("connection request on another device refused");
+                id.reject();
+                continue;
+            }
+            let (peer_private, peer_credit) = match d.unframe(&ev.private_data) {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!("connection request refused: {e}");
+                    id.reject();
+                    continue;
+                }
+            };
+            match self.finish_accept(&mut id, cfg, &ev, peer_credit) {
+                Ok((mb, credit, hw_sq_cap)) => {
+                    let ep = self.dom.endpoint(id, cfg, peer_private, credit, hw_sq_cap);
+                    self.dom.go_live(&ep, &mb);
+                    return Ok(ep);
+                }
+                Err(e) => {
+                    d.cm.unregister(id.key());
+                    if e.kind() == ErrorKind::InvalidArgument {
+                        id.reject();
+                        return Err(e);
+                    }
+                    tracing::warn!("accepting a connection failed: {e}");
+                    if Instant::now() >= deadline {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl<F: Flavor> VerbsListener<F> {
+    fn finish_accept(
+        &self,
+        id: &mut CmId,
+        cfg: &EndpointConfig<'_, VerbsCq<F>>,
+        req: &CmEvent,
+        peer_credit: Option<(u64, u32)>,
+    ) -> Result<(Arc<Mailbox>, Option<CreditArea>, usize)> {
+        let d = &self.dom.inner;
+        let mb = Arc::new(Mailbox::default());
+        d.cm.register(id.key(), Target::Mailbox(mb.clone()));
+        let hw_sq_cap = self.dom.make_qp(id, cfg)?;
+        let credit = self.dom.credit_area()?;
+        let private = d.frame(cfg.private_data, credit.as_ref());
+        let rd = d.rd_atom();
+        id.accept(&ConnParam {
+            private_data: &private,
+            responder_resources: rd.min(req.initiator_depth),
+            initiator_depth: rd.min(req.responder_resources),
+            retry_count: d.profile.retry,
+            rnr_retry_count: d.profile.rnr_retry,
+        })?;
+        let peer = self.local;
+        expect(
+            &mb,
+            Instant::now() + cfg.timeout,
+            cm_event::RDMA_CM_EVENT_ESTABLISHED,
+            peer,
+            "accepting a connection",
+            cfg.timeout,
+        )?;
+        let credit = match (credit, peer_credit) {
+            (Some((buf, mr)), Some(peer)) => Some(CreditArea { buf, mr, peer }),
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(Error::new(ErrorKind::Protocol, "peer sent no credit area"))
+            }
+        };
+        Ok((mb, credit, hw_sq_cap))
+    }
+}
+
+impl<F: Flavor> Drop for VerbsListener<F> {
+    fn drop(&mut self) {
+        let d = &self.dom.inner;
+        if let Some(id) = self.id.take() {
+            d.cm.unregister(id.key());
+            drop(id);
+        }
+        for ev in self.mb.take_all() {
+            if ev.kind == cm_event::RDMA_CM_EVENT_CONNECT_REQUEST {
+                // SAFETY: a request nobody accepted: its identifier is adopted only here.
+                #[allow(unsafe_code)]
+                let id = unsafe { CmId::adopt(ev.id) };
+                id.reject();
+            }
+        }
+    }
+}
+
+/// A verbs registration: the local registration (lkey) lives as long as the region's
+/// last user; the remote one (rkey) dies at deregistration.
+struct VerbsRegistration {
+    lkey: u32,
+    rkey: u32,
+    _local: Mr,
+    remote: Mutex<Option<Mr>>,
+}
+
+impl fmt::Debug for VerbsRegistration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VerbsRegistration")
+            .field("lkey", &format_args!("{:#x}", self.lkey))
+            .field("rkey", &format_args!("{:#x}", self.rkey))
+            .finish()
+    }
+}
+
+impl Registration for VerbsRegistration {
+    fn local_key(&self) -> u32 {
+        self.lkey
+    }
+    fn remote_key(&self) -> u32 {
+        self.rkey
+    }
+    fn revoke(&self) {
+        // ibv_dereg_mr of the remote registration: the key is dead when this returns.
+        drop(self.remote.lock().expect("registration poisoned").take());
+    }
+}

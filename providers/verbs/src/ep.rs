@@ -1,0 +1,1158 @@
+//! Endpoints: an RC queue pair, the ledger of what is in flight on it, and the contract's
+//! rules on top of the device (error state, flushes, queue depths, iWARP credits).
+//!
+//! The ledger is the truth about every request: each hardware request has a record that
+//! holds the regions it uses (so memory outlives it), its completion-queue reservation and,
+//! for the application's requests, the context and opcode to report (verbs leaves the
+//! opcode of a flushed completion undefined; ours never is). Records are kept in posting
+//! order; requests the provider holds back (iWARP credits) sit unposted at the tail.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::marker::PhantomData;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use fabric_api::spi::Endpoint;
+use fabric_api::{
+    Access, AtomicOp, Buffer, Completion, EndpointState, Error, ErrorKind, Opcode, ProviderCode,
+    RecvWr, RegionRef, Result, SendFlags, SendOp, SendWr, Slice, Status,
+};
+
+use crate::cq::{CqInner, CqState};
+use crate::domain::DomainInner;
+use crate::ffi::{self, CmId, HwOp, HwWr, Mr, Sge, Wc};
+use crate::status::{self, wc};
+use crate::{Flavor, Transport};
+
+/// Receive requests carry this bit in their `wr_id`.
+const RECV_BIT: u64 = 1 << 63;
+
+/// Byte offsets in the iWARP credit area.
+mod credit {
+    /// The peer's count of receives it ever posted (written by the peer).
+    pub const POSTED: usize = 0;
+    /// Non-zero once the peer closed gracefully (written by the peer).
+    pub const CLOSED: usize = 8;
+    /// Sink of our delivery reads.
+    pub const SCRATCH: usize = 16;
+    /// Size of the area.
+    pub const LEN: usize = 64;
+}
+
+/// The iWARP credit area: a small region the peer writes into, and the peer's own.
+#[derive(Debug)]
+pub(crate) struct CreditArea {
+    pub buf: Arc<Buffer>,
+    pub mr: Mr,
+    /// The peer's area: address and key.
+    pub peer: (u64, u32),
+}
+
+impl CreditArea {
+    /// Allocates and registers our area (remote write and read for the peer).
+    pub fn local(dom: &DomainInner) -> Result<(Arc<Buffer>, Mr)> {
+        let buf = Arc::new(Buffer::new(credit::LEN));
+        let mr = dom.register_raw(
+            &buf,
+            ffi::access::LOCAL_WRITE | ffi::access::REMOTE_WRITE | ffi::access::REMOTE_READ,
+        )?;
+        Ok((buf, mr))
+    }
+
+    fn word(&self, off: usize) -> u64 {
+        let w = self.buf.atomic_u64(off).expect("aligned word");
+        // The peer's device writes the word with a copy: read until two reads agree.
+        loop {
+            let a = w.load(Ordering::Acquire);
+            if w.load(Ordering::Acquire) == a {
+                return a;
+            }
+        }
+    }
+
+    /// The peer's posted-receive count.
+    pub fn peer_posted(&self) -> u64 {
+        self.word(credit::POSTED)
+    }
+
+    /// True when the peer said it closes gracefully.
+    pub fn peer_closed(&self) -> bool {
+        self.word(credit::CLOSED) != 0
+    }
+
+    /// Encodes our area for the peer (private data): addr, key.
+    pub fn encode(buf: &Buffer, mr: &Mr) -> [u8; 12] {
+        let mut b = [0u8; 12];
+        b[..8].copy_from_slice(&buf.addr().to_be_bytes());
+        b[8..].copy_from_slice(&mr.rkey().to_be_bytes());
+        b
+    }
+
+    /// Decodes the peer's area.
+    pub fn decode(b: &[u8]) -> Option<(u64, u32)> {
+        if b.len() < 12 {
+            return None;
+        }
+        Some((
+            u64::from_be_bytes(b[..8].try_into().ok()?),
+            u32::from_be_bytes(b[8..12].try_into().ok()?),
+        ))
+    }
+}
+
+/// What to report for an application request.
+#[derive(Debug, Clone, Copy)]
+struct UserRec {
+    context: u64,
+    opcode: Opcode,
+    signaled: bool,
+    byte_len: u64,
+}
+
+/// One hardware send-queue request.
+#[derive(Debug)]
+struct SqRec {
+    seq: u64,
+    /// The request, until it is posted.
+    wr: Option<HwWr>,
+    /// Part of an application request's group (the group ends at the record with `user`).
+    grouped: bool,
+    /// The application request this record completes.
+    user: Option<UserRec>,
+    /// Reserved from the provider's budget (else the application's).
+    internal: bool,
+    /// A Send (consumes one of the peer's receives: credits).
+    is_send: bool,
+    /// Failed to post: complete with this error when its turn comes.
+    failed: Option<(ErrorKind, Option<ProviderCode>)>,
+    /// Regions in use: memory stays alive until the record completes.
+    _holds: Vec<RegionRef>,
+}
+
+impl SqRec {
+    fn posted(&self) -> bool {
+        self.wr.is_none() && self.failed.is_none()
+    }
+}
+
+#[derive(Debug)]
+struct RqRec {
+    seq: u64,
+    context: u64,
+    _holds: Vec<RegionRef>,
+}
+
+/// Mutable state of an endpoint.
+#[derive(Debug)]
+struct Ledger {
+    status: EndpointState,
+    torn_down: bool,
+    sq: VecDeque<SqRec>,
+    rq: VecDeque<RqRec>,
+    /// Unposted records at the tail of `sq`.
+    pending: usize,
+    next_seq: u64,
+    /// Application requests in `sq`.
+    user_sq: usize,
+    /// Hardware requests posted and not completed.
+    hw_sq: usize,
+    /// The real error of a group's earlier piece, for the group's last record.
+    group_error: Option<(ErrorKind, Option<ProviderCode>)>,
+    /// Receives ever posted (iWARP credits).
+    recvs_posted: u64,
+    /// Sends ever handed to the device (iWARP credits).
+    sends_hw: u64,
+    /// A credit update is owed to the peer.
+    credit_dirty: bool,
+    /// Registered with the domain's RNR thread.
+    blocked: bool,
+}
+
+/// The shared core of an endpoint.
+pub(crate) struct EpCore {
+    pub id: CmId,
+    pub qpn: u32,
+    pub dom: Arc<DomainInner>,
+    pub send_cq: Arc<CqInner>,
+    pub recv_cq: Arc<CqInner>,
+    pub sq_depth: usize,
+    pub rq_depth: usize,
+    pub hw_sq_cap: usize,
+    pub local: SocketAddr,
+    pub peer: SocketAddr,
+    pub peer_private: Vec<u8>,
+    pub credit: Option<CreditArea>,
+    st: Mutex<Ledger>,
+}
+
+impl fmt::Debug for EpCore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EpCore")
+            .field("qpn", &self.qpn)
+            .field("local", &self.local)
+            .field("peer", &self.peer)
+            .finish()
+    }
+}
+
+fn invalid_state(s: EndpointState) -> Error {
+    match s {
+        EndpointState::Error => {
+            Error::new(ErrorKind::InvalidState, "endpoint is in the error state")
+        }
+        _ => Error::new(ErrorKind::InvalidState, "endpoint is disconnected"),
+    }
+}
+
+fn post_error(e: &std::io::Error) -> Error {
+    let code = ProviderCode::Errno(e.raw_os_error().unwrap_or(0));
+    let kind = match e.raw_os_error() {
+        Some(libc::ENOMEM) => ErrorKind::QueueFull,
+        Some(libc::EINVAL) => ErrorKind::InvalidArgument,
+        _ => ErrorKind::InvalidState,
+    };
+    Error::new(kind, format!("the device refused the request: {e}")).with_code(code)
+}
+
+/// A planned application request: its hardware requests and what to report.
+struct Plan {
+    wrs: Vec<(HwWr, bool)>,
+    user: UserRec,
+    holds: Vec<RegionRef>,
+}
+
+/// Construction parameters of an endpoint.
+pub(crate) struct EpParts {
+    pub id: CmId,
+    pub dom: Arc<DomainInner>,
+    pub send_cq: Arc<CqInner>,
+    pub recv_cq: Arc<CqInner>,
+    pub sq_depth: usize,
+    pub rq_depth: usize,
+    pub hw_sq_cap: usize,
+    pub peer_private: Vec<u8>,
+    pub credit: Option<CreditArea>,
+}
+
+impl EpCore {
+    pub fn new(p: EpParts) -> Arc<EpCore> {
+        let qpn = p.id.qp_num();
+        let local =
+            p.id.local_addr()
+                .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
+        let peer =
+            p.id.peer_addr()
+                .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
+        let core = Arc::new(EpCore {
+            id: p.id,
+            qpn,
+            dom: p.dom,
+            send_cq: p.send_cq,
+            recv_cq: p.recv_cq,
+            sq_depth: p.sq_depth,
+            rq_depth: p.rq_depth,
+            hw_sq_cap: p.hw_sq_cap,
+            local,
+            peer,
+            peer_private: p.peer_private,
+            credit: p.credit,
+            st: Mutex::new(Ledger {
+                status: EndpointState::Connected,
+                torn_down: false,
+                sq: VecDeque::new(),
+                rq: VecDeque::new(),
+                pending: 0,
+                next_seq: 1,
+                user_sq: 0,
+                hw_sq: 0,
+                group_error: None,
+                recvs_posted: 0,
+                sends_hw: 0,
+                credit_dirty: false,
+                blocked: false,
+            }),
+        });
+        core.send_cq.lock().qps.insert(qpn, core.clone());
+        if !Arc::ptr_eq(&core.send_cq, &core.recv_cq) {
+            core.recv_cq.lock().qps.insert(qpn, core.clone());
+        }
+        if let Some(t) = core.dom.profile.min_rnr_timer {
+            if let Err(e) = core.id.set_min_rnr_timer(t) {
+                tracing::debug!("setting the RNR timer to {t} failed: {e}");
+            }
+        }
+        core
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Ledger> {
+        self.st.lock().expect("endpoint ledger poisoned")
+    }
+
+    fn iwarp(&self) -> bool {
+        self.dom.dev.transport == Transport::Iwarp
+    }
+
+    // ----- planning ---------------------------------------------------------------------
+
+    fn sges(&self, sgl: &[Slice<'_>], need: Access) -> Result<(Vec<Sge>, Vec<RegionRef>, u64)> {
+        let max = self.dom.limits.max_sge as usize;
+        if sgl.len() > max {
+            return Err(Error::invalid(format!(
+                "{} gather/scatter entries exceed the maximum of {max}",
+                sgl.len()
+            )));
+        }
+        let mut sges = Vec::with_capacity(sgl.len());
+        let mut holds = Vec::with_capacity(sgl.len());
+        let mut total = 0u64;
+        for s in sgl {
+            let r = s.check_local(self.dom.id, need)?;
+            if !s.is_empty() {
+                sges.push(Sge {
+                    addr: r.buffer().addr() + s.offset() as u64,
+                    len: s.len() as u32,
+                    lkey: r.registration().local_key(),
+                });
+            }
+            total += s.len() as u64;
+            holds.push(r);
+        }
+        if total > self.dom.limits.max_msg_size {
+            return Err(Error::invalid(format!(
+                "message of {total} bytes exceeds the maximum of {}",
+                self.dom.limits.max_msg_size
+            )));
+        }
+        Ok((sges, holds, total))
+    }
+
+    fn unsupported(&self, what: &str) -> Error {
+        let why = self
+            .dom
+            .profile
+            .unsupported
+            .get(what)
+            .cloned()
+            .unwrap_or_else(|| "not supported by this device".into());
+        Error::unsupported(format!("{what} on {}: {why}", self.dom.dev.name))
+    }
+
+    fn inline_copy(&self, sges: &[Sge], holds: &[RegionRef], total: u64) -> Result<Vec<u8>> {
+        let max = self.dom.limits.max_inline;
+        if total > u64::from(max) {
+            return Err(Error::invalid(format!(
+                "inline payload of {total} bytes exceeds max inline {max}"
+            )));
+        }
+        let mut v = Vec::with_capacity(total as usize);
+        for s in sges {
+            // The region this entry lies in.
+            let r = holds.iter().find(|h| {
+                s.addr >= h.buffer().addr()
+                    && s.addr + u64::from(s.len) <= h.buffer().addr() + h.buffer().len() as u64
+            });
+            let r = r.ok_or_else(|| Error::invalid("inline entry outside its region"))?;
+            let start = v.len();
+            v.resize(start + s.len as usize, 0);
+            r.buffer()
+                .read((s.addr - r.buffer().addr()) as usize, &mut v[start..]);
+        }
+        Ok(v)
+    }
+
+    fn delivery_read(&self) -> Option<HwWr> {
+        let c = self.credit.as_ref()?;
+        Some(HwWr {
+            wr_id: 0,
+            op: HwOp::Read {
+                addr: c.peer.0 + credit::POSTED as u64,
+                rkey: c.peer.1,
+            },
+            sges: vec![Sge {
+                addr: c.buf.addr() + credit::SCRATCH as u64,
+                len: 8,
+                lkey: c.mr.lkey(),
+            }],
+            inline: None,
+            fence: false,
+        })
+    }
+
+    fn plan(&self, wr: &SendWr<'_>) -> Result<Plan> {
+        let p = &self.dom.profile;
+        let inline = wr.flags.contains(SendFlags::INLINE);
+        let fence = wr.flags.contains(SendFlags::FENCE);
+        let hw = |op: HwOp, sges: Vec<Sge>, inline: Option<Vec<u8>>| HwWr {
+            wr_id: 0,
+            op,
+            sges,
+            inline,
+            fence,
+        };
+        let (wrs, holds, byte_len): (Vec<HwWr>, Vec<RegionRef>, u64) = match wr.op {
+            SendOp::Send { sgl, imm } => {
+                if imm.is_some() && !p.immediate {
+                    return Err(self.unsupported("SEND_IMM"));
+                }
+                let (sges, holds, total) = self.sges(sgl, Access::empty())?;
+                let data = if inline {
+                    Some(self.inline_copy(&sges, &holds, total)?)
+                } else {
+                    None
+                };
+                (vec![hw(HwOp::Send { imm }, sges, data)], holds, total)
+            }
+            SendOp::Write { sgl, remote, imm } => {
+                if imm.is_some() && !p.immediate {
+                    return Err(self.unsupported("WRITE_IMM"));
+                }
+                let (sges, holds, total) = self.sges(sgl, Access::empty())?;
+                let data = if inline {
+                    Some(self.inline_copy(&sges, &holds, total)?)
+                } else {
+                    None
+                };
+                (
+                    vec![hw(
+                        HwOp::Write {
+                            addr: remote.addr,
+                            rkey: remote.key,
+                            imm,
+                        },
+                        sges,
+                        data,
+                    )],
+                    holds,
+                    total,
+                )
+            }
+            SendOp::Read { sgl, remote } => {
+                if inline {
+                    return Err(Error::invalid("a read cannot be inline"));
+                }
+                let (sges, holds, total) = self.sges(sgl, Access::LOCAL_WRITE)?;
+                let max_rd = self.dom.dev.max_sge_rd.max(1) as usize;
+                let wrs = if p.split_reads && sges.len() > max_rd {
+                    let mut off = 0u64;
+                    sges.into_iter()
+                        .map(|s| {
+                            let w = hw(
+                                HwOp::Read {
+                                    addr: remote.addr.wrapping_add(off),
+                                    rkey: remote.key,
+                                },
+                                vec![s],
+                                None,
+                            );
+                            off += u64::from(s.len);
+                            w
+                        })
+                        .collect()
+                } else {
+                    vec![hw(
+                        HwOp::Read {
+                            addr: remote.addr,
+                            rkey: remote.key,
+                        },
+                        sges,
+                        None,
+                    )]
+                };
+                (wrs, holds, total)
+            }
+            SendOp::Atomic { result, remote, op } => {
+                if !p.atomics {
+                    return Err(self.unsupported(match op {
+                        AtomicOp::FetchAdd { .. } => "FETCH_ADD",
+                        AtomicOp::CompareSwap { .. } => "COMPARE_SWAP",
+                    }));
+                }
+                if result.len() != 8 {
+                    return Err(Error::invalid(format!(
+                        "atomic result buffer must be 8 bytes, got {}",
+                        result.len()
+                    )));
+                }
+                if inline {
+                    return Err(Error::invalid("an atomic cannot be inline"));
+                }
+                let (sges, holds, _) =
+                    self.sges(std::slice::from_ref(&result), Access::LOCAL_WRITE)?;
+                let op = match op {
+                    AtomicOp::FetchAdd { add } => HwOp::FetchAdd {
+                        addr: remote.addr,
+                        rkey: remote.key,
+                        add,
+                    },
+                    AtomicOp::CompareSwap { compare, swap } => HwOp::CompareSwap {
+                        addr: remote.addr,
+                        rkey: remote.key,
+                        compare,
+                        swap,
+                    },
+                };
+                (vec![hw(op, sges, None)], holds, 8)
+            }
+        };
+        let mut wrs: Vec<(HwWr, bool)> = wrs
+            .into_iter()
+            .map(|w| {
+                let is_send = matches!(w.op, HwOp::Send { .. });
+                (w, is_send)
+            })
+            .collect();
+        if p.delivery_reads && matches!(wr.op, SendOp::Send { .. } | SendOp::Write { .. }) {
+            if let Some(r) = self.delivery_read() {
+                wrs.push((r, false));
+            }
+        }
+        Ok(Plan {
+            wrs,
+            user: UserRec {
+                context: wr.context,
+                opcode: wr.opcode(),
+                signaled: wr.flags.contains(SendFlags::SIGNALED),
+                byte_len,
+            },
+            holds,
+        })
+    }
+
+    // ----- posting ----------------------------------------------------------------------
+
+    pub fn post_send(self: &Arc<Self>, wr: &SendWr<'_>) -> Result<()> {
+        let plan = self.plan(wr)?;
+        {
+            let l = self.lock();
+            if l.status != EndpointState::Connected || l.torn_down {
+                return Err(invalid_state(l.status));
+            }
+        }
+        let internal = plan.wrs.len() - 1;
+        self.send_cq.reserve(internal)?;
+        let mut l = self.lock();
+        let undo = |cq: &CqInner| {
+            cq.release(1);
+            cq.release_internal(internal);
+        };
+        if l.status != EndpointState::Connected || l.torn_down {
+            undo(&self.send_cq);
+            return Err(invalid_state(l.status));
+        }
+        if l.user_sq >= self.sq_depth {
+            undo(&self.send_cq);
+            return Err(Error::new(
+                ErrorKind::QueueFull,
+                format!("send queue of depth {} is full", self.sq_depth),
+            ));
+        }
+        let n = plan.wrs.len();
+        let mut holds = Some(plan.holds);
+        for (i, (w, is_send)) in plan.wrs.into_iter().enumerate() {
+            let last = i + 1 == n;
+            let seq = l.next_seq;
+            l.next_seq += 1;
+            l.sq.push_back(SqRec {
+                seq,
+                wr: Some(w),
+                grouped: true,
+                user: last.then_some(plan.user),
+                internal: !last,
+                is_send,
+                failed: None,
+                _holds: if last {
+                    holds.take().unwrap_or_default()
+                } else {
+                    Vec::new()
+                },
+            });
+        }
+        l.pending += n;
+        l.user_sq += 1;
+        if l.pending == n {
+            // Nothing held back before it: post now, and report a refusal synchronously.
+            match self.post_next_group(&mut l) {
+                Posted::Yes | Posted::Later => {}
+                Posted::Refused(e) => {
+                    for _ in 0..n {
+                        l.sq.pop_back();
+                    }
+                    l.pending -= n;
+                    l.user_sq -= 1;
+                    undo(&self.send_cq);
+                    return Err(e);
+                }
+            }
+        }
+        self.release_pending(&mut l);
+        self.note_blocked(&mut l);
+        Ok(())
+    }
+
+    /// Posts held-back groups in order while credits and queue room allow.
+    fn release_pending(&self, l: &mut Ledger) {
+        while l.pending > 0 && l.status == EndpointState::Connected && !l.torn_down {
+            match self.post_next_group(l) {
+                Posted::Yes => {}
+                Posted::Later => break,
+                Posted::Refused(e) => {
+                    // Asynchronous failure: the group completes with the error in turn.
+                    tracing::debug!("posting a held-back request failed: {e}");
+                }
+            }
+        }
+    }
+
+    /// Posts the first unposted group.
+    fn post_next_group(&self, l: &mut Ledger) -> Posted {
+        let start = l.sq.len() - l.pending;
+        let mut end = start;
+        while end < l.sq.len() {
+            let r = &l.sq[end];
+            end += 1;
+            if r.user.is_some() || !r.grouped {
+                break;
+            }
+        }
+        let group = start..end;
+        let sends = l.sq.range(group.clone()).filter(|r| r.is_send).count() as u64;
+        if sends > 0 {
+            if let Some(c) = &self.credit {
+                if c.peer_posted() < l.sends_hw + sends {
+                    return Posted::Later;
+                }
+            }
+        }
+        if l.hw_sq + group.len() > self.hw_sq_cap {
+            return Posted::Later;
+        }
+        let mut wrs: Vec<HwWr> = Vec::with_capacity(group.len());
+        for r in l.sq.range(group.clone()) {
+            let mut w = r.wr.clone().expect("unposted record has its request");
+            w.wr_id = r.seq;
+            wrs.push(w);
+        }
+        // SAFETY: every entry names memory registered in this domain and held by the
+        // record (`_holds`, or the endpoint's credit area) until the record completes or
+        // the queue pair is destroyed (teardown destroys it before dropping records).
+        #[allow(unsafe_code)]
+        let r = unsafe { self.id.post_send(&wrs) };
+        let posted = match &r {
+            Ok(()) => wrs.len(),
+            Err((k, _)) => *k,
+        };
+        for i in 0..posted {
+            l.sq[start + i].wr = None;
+        }
+        l.hw_sq += posted;
+        l.pending -= posted;
+        l.sends_hw +=
+            l.sq.range(start..start + posted)
+                .filter(|r| r.is_send)
+                .count() as u64;
+        match r {
+            Ok(()) => Posted::Yes,
+            Err((_, e)) => {
+                let err = post_error(&e);
+                if posted == 0 {
+                    return Posted::Refused(err);
+                }
+                for i in start + posted..end {
+                    l.sq[i].wr = None;
+                    l.sq[i].failed = Some((err.kind(), err.code()));
+                }
+                l.pending -= end - start - posted;
+                Posted::Refused(err)
+            }
+        }
+    }
+
+    fn note_blocked(self: &Arc<Self>, l: &mut Ledger) {
+        let want = l.pending > 0 || l.credit_dirty;
+        if want && !l.blocked && l.status == EndpointState::Connected {
+            l.blocked = true;
+            self.dom.rnr.add(Arc::downgrade(self));
+        }
+    }
+
+    /// Called by the RNR thread: retries held-back work. Returns whether still blocked.
+    pub fn retry_blocked(self: &Arc<Self>) -> bool {
+        let mut l = self.lock();
+        self.release_pending(&mut l);
+        self.send_credit(&mut l, true);
+        let still = (l.pending > 0 || l.credit_dirty)
+            && l.status == EndpointState::Connected
+            && !l.torn_down;
+        l.blocked = still;
+        still
+    }
+
+    pub fn post_recv(self: &Arc<Self>, wr: &RecvWr<'_>) -> Result<()> {
+        let (sges, holds, _) = self.sges(wr.sgl, Access::LOCAL_WRITE)?;
+        {
+            let l = self.lock();
+            if l.status != EndpointState::Connected || l.torn_down {
+                return Err(invalid_state(l.status));
+            }
+        }
+        self.recv_cq.reserve(0)?;
+        let credit_slot = self.credit.is_some() && self.send_cq.reserve_internal(1, true);
+        let mut l = self.lock();
+        let undo = |me: &Self| {
+            me.recv_cq.release(1);
+            if credit_slot {
+                me.send_cq.release_internal(1);
+            }
+        };
+        if l.status != EndpointState::Connected || l.torn_down {
+            undo(self);
+            return Err(invalid_state(l.status));
+        }
+        if l.rq.len() >= self.rq_depth {
+            undo(self);
+            return Err(Error::new(
+                ErrorKind::QueueFull,
+                format!("receive queue of depth {} is full", self.rq_depth),
+            ));
+        }
+        let seq = l.next_seq;
+        l.next_seq += 1;
+        // SAFETY: the entries name LOCAL_WRITE memory of this domain held by the record
+        // pushed below until the receive completes or the queue pair is destroyed.
+        #[allow(unsafe_code)]
+        if let Err(e) = unsafe { self.id.post_recv(RECV_BIT | seq, &sges) } {
+            undo(self);
+            return Err(post_error(&e));
+        }
+        l.rq.push_back(RqRec {
+            seq,
+            context: wr.context,
+            _holds: holds,
+        });
+        if self.credit.is_some() {
+            l.recvs_posted += 1;
+            l.credit_dirty = true;
+            if credit_slot {
+                let v = l.recvs_posted;
+                if !self.post_credit(&mut l, credit::POSTED, v) {
+                    self.send_cq.release_internal(1);
+                }
+            }
+            self.note_blocked(&mut l);
+        }
+        Ok(())
+    }
+
+    /// Sends an owed credit update if a slot can be had.
+    fn send_credit(&self, l: &mut Ledger, reap: bool) {
+        if !l.credit_dirty
+            || self.credit.is_none()
+            || l.status != EndpointState::Connected
+            || l.torn_down
+        {
+            return;
+        }
+        let v = l.recvs_posted;
+        if self.send_cq.reserve_internal(1, reap) && !self.post_credit(l, credit::POSTED, v) {
+            self.send_cq.release_internal(1);
+        }
+    }
+
+    /// Writes `value` into the peer's credit area at `off` (an internal record, posted
+    /// ahead of held-back application requests). Needs an internal slot already reserved.
+    fn post_credit(&self, l: &mut Ledger, off: usize, value: u64) -> bool {
+        let Some(c) = &self.credit else { return false };
+        if l.hw_sq >= self.hw_sq_cap {
+            return false;
+        }
+        let seq = l.next_seq;
+        l.next_seq += 1;
+        let w = HwWr {
+            wr_id: seq,
+            op: HwOp::Write {
+                addr: c.peer.0 + off as u64,
+                rkey: c.peer.1,
+                imm: None,
+            },
+            sges: Vec::new(),
+            inline: Some(value.to_ne_bytes().to_vec()),
+            fence: false,
+        };
+        // SAFETY: an inline request: the payload is copied at post time, no memory is
+        // named after the call.
+        #[allow(unsafe_code)]
+        let r = unsafe { self.id.post_send(std::slice::from_ref(&w)) };
+        if let Err((_, e)) = r {
+            tracing::debug!("credit update failed: {e}");
+            return false;
+        }
+        let at = l.sq.len() - l.pending;
+        l.sq.insert(
+            at,
+            SqRec {
+                seq,
+                wr: None,
+                grouped: false,
+                user: None,
+                internal: true,
+                is_send: false,
+                failed: None,
+                _holds: Vec::new(),
+            },
+        );
+        l.hw_sq += 1;
+        if off == credit::POSTED && value == l.recvs_posted {
+            l.credit_dirty = false;
+        }
+        true
+    }
+
+    // ----- completions ------------------------------------------------------------------
+
+    /// Handles one device completion of this endpoint's queue pair (CQ lock held).
+    pub fn on_completion(&self, cq: &CqInner, cst: &mut CqState, w: &Wc) {
+        let mut l = self.lock();
+        let failed = w.status != wc::SUCCESS;
+        let err = failed.then(|| {
+            let (k, c) = status::error_of(w.status);
+            (k, Some(c))
+        });
+        if w.status != wc::SUCCESS
+            && w.status != wc::WR_FLUSH_ERR
+            && l.status == EndpointState::Connected
+        {
+            tracing::debug!(
+                qp = self.qpn,
+                status = status::name_of(w.status),
+                vendor = w.vendor_err,
+                "error completion: endpoint enters the error state"
+            );
+            l.status = EndpointState::Error;
+        }
+        if w.wr_id & RECV_BIT != 0 {
+            let seq = w.wr_id & !RECV_BIT;
+            let Some(pos) = l.rq.iter().position(|r| r.seq == seq) else {
+                tracing::warn!(
+                    qp = self.qpn,
+                    seq,
+                    "receive completion for an unknown request"
+                );
+                return;
+            };
+            let r = l.rq.remove(pos).expect("position is valid");
+            let opcode = if !failed && w.opcode == ffi::wc_opcode::RECV_RDMA_WITH_IMM {
+                Opcode::RecvWriteWithImm
+            } else {
+                Opcode::Recv
+            };
+            cst.ready.push_back(Completion {
+                context: r.context,
+                opcode,
+                status: err.map_or(Status::Success, |e| Status::Error(e.0)),
+                provider_code: err.and_then(|e| e.1),
+                byte_len: u64::from(w.byte_len),
+                imm: if failed { None } else { w.imm },
+            });
+        } else {
+            let Some(pos) = l.sq.iter().position(|r| r.seq == w.wr_id) else {
+                tracing::warn!(
+                    qp = self.qpn,
+                    seq = w.wr_id,
+                    "send completion for an unknown request"
+                );
+                return;
+            };
+            if pos != 0 {
+                tracing::warn!(qp = self.qpn, pos, "send completion out of order");
+            }
+            let r = l.sq.remove(pos).expect("position is valid");
+            l.hw_sq -= 1;
+            if r.internal {
+                cq.release_internal(1);
+            }
+            if failed
+                && r.user.is_none()
+                && r.grouped
+                && w.status != wc::WR_FLUSH_ERR
+                && l.group_error.is_none()
+            {
+                l.group_error = err;
+            }
+            if let Some(u) = r.user {
+                l.user_sq -= 1;
+                let e = l.group_error.take().or(err);
+                self.push_user(cq, cst, u, e);
+            }
+        }
+        if std::ptr::eq(cq, Arc::as_ptr(&self.send_cq)) {
+            if l.status == EndpointState::Connected {
+                self.release_pending(&mut l);
+                self.send_credit(&mut l, false);
+            } else {
+                self.flush_unposted(&mut l, cst);
+            }
+        }
+    }
+
+    fn push_user(
+        &self,
+        cq: &CqInner,
+        cst: &mut CqState,
+        u: UserRec,
+        e: Option<(ErrorKind, Option<ProviderCode>)>,
+    ) {
+        match e {
+            None if !u.signaled => cq.release(1),
+            None => cst.ready.push_back(Completion {
+                context: u.context,
+                opcode: u.opcode,
+                status: Status::Success,
+                provider_code: None,
+                byte_len: u.byte_len,
+                imm: None,
+            }),
+            Some((kind, code)) => cst.ready.push_back(Completion {
+                context: u.context,
+                opcode: u.opcode,
+                status: Status::Error(kind),
+                provider_code: code,
+                byte_len: 0,
+                imm: None,
+            }),
+        }
+    }
+
+    /// Completes records that never reached the device, once everything posted before
+    /// them has completed: Flushed when the endpoint is dead, else their post error.
+    /// Called with the send CQ's lock held.
+    fn flush_unposted(&self, l: &mut Ledger, cst: &mut CqState) {
+        let mut any = false;
+        while let Some(front) = l.sq.front() {
+            if front.posted() {
+                break;
+            }
+            let dead = l.status != EndpointState::Connected || l.torn_down;
+            if front.failed.is_none() && !dead {
+                break;
+            }
+            let r = l.sq.pop_front().expect("front exists");
+            if r.wr.is_some() {
+                l.pending -= 1;
+            }
+            if r.internal {
+                self.send_cq.release_internal(1);
+            }
+            if let Some(u) = r.user {
+                l.user_sq -= 1;
+                let e = l
+                    .group_error
+                    .take()
+                    .or(r.failed)
+                    .unwrap_or((ErrorKind::Flushed, None));
+                self.push_user(&self.send_cq, cst, u, Some(e));
+                any = true;
+            } else if let Some(e) = r.failed {
+                if r.grouped && l.group_error.is_none() {
+                    l.group_error = Some(e);
+                }
+            }
+        }
+        if any {
+            self.send_cq.notify();
+        }
+    }
+
+    /// Flushes held-back requests of a dead endpoint (takes the send CQ lock).
+    fn flush_dead(&self) {
+        let mut cst = self.send_cq.lock();
+        let mut l = self.lock();
+        if l.status != EndpointState::Connected || l.torn_down {
+            self.flush_unposted(&mut l, &mut cst);
+        }
+    }
+
+    // ----- state ------------------------------------------------------------------------
+
+    /// The state, refreshed from the queue pair (a remote error leaves no completion at
+    /// the responder on InfiniBand transports: its queue pair just enters ERR).
+    pub fn state(&self) -> EndpointState {
+        let mut l = self.lock();
+        if l.status == EndpointState::Connected && !l.torn_down {
+            if let Ok(ffi::QPS_ERR) = self.id.qp_state() {
+                l.status = self.dead_state();
+                drop(l);
+                self.flush_dead();
+                return self.lock().status;
+            }
+        }
+        l.status
+    }
+
+    /// What a queue pair that died under us means: on iWARP, a graceful close is told
+    /// apart from a failure by the peer's close mark in our credit area.
+    fn dead_state(&self) -> EndpointState {
+        match &self.credit {
+            Some(c) if c.peer_closed() => EndpointState::Disconnected,
+            _ => EndpointState::Error,
+        }
+    }
+
+    /// The peer disconnected (connection-manager thread).
+    pub fn on_disconnected(&self) {
+        let mut l = self.lock();
+        if l.status == EndpointState::Connected {
+            l.status = if self.iwarp() {
+                self.dead_state()
+            } else {
+                EndpointState::Disconnected
+            };
+            tracing::debug!(qp = self.qpn, state = ?l.status, "peer disconnected");
+        }
+        let torn = l.torn_down;
+        drop(l);
+        if !torn {
+            // InfiniBand transports: this moves our queue pair to ERR, flushing it.
+            let _ = self.id.disconnect();
+        }
+        self.flush_dead();
+    }
+
+    /// Graceful close.
+    pub fn close(&self) {
+        let mut l = self.lock();
+        let was = l.status == EndpointState::Connected && !l.torn_down;
+        if l.status == EndpointState::Connected {
+            l.status = EndpointState::Disconnected;
+        }
+        let mut marker_seq = None;
+        if was && self.credit.is_some() && self.send_cq.reserve_internal(1, false) {
+            let seq = l.next_seq;
+            if self.post_credit(&mut l, credit::CLOSED, 1) {
+                marker_seq = Some(seq);
+            } else {
+                self.send_cq.release_internal(1);
+            }
+        }
+        drop(l);
+        if let Some(seq) = marker_seq {
+            // Let the close mark leave before the connection closes (siw flushes a busy
+            // send queue on disconnect).
+            let deadline = Instant::now() + Duration::from_millis(200);
+            while Instant::now() < deadline {
+                {
+                    let mut cst = self.send_cq.lock();
+                    self.send_cq.drain(&mut cst);
+                }
+                if !self.lock().sq.iter().any(|r| r.seq == seq) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        if was {
+            let _ = self.id.disconnect();
+        }
+        self.flush_dead();
+    }
+
+    /// Final teardown (the application dropped the endpoint): close, destroy the queue
+    /// pair, give back every reservation, drop every record.
+    pub fn teardown(self: &Arc<Self>) {
+        self.close();
+        self.dom.cm.unregister(self.id.key());
+        {
+            let mut l = self.lock();
+            l.torn_down = true;
+            // After this no request of the queue pair touches memory.
+            self.id.destroy_qp();
+        }
+        for cq in [&self.send_cq, &self.recv_cq] {
+            let mut cst = cq.lock();
+            cq.drain(&mut cst);
+            if cst.qps.remove(&self.qpn).is_none() {
+                continue;
+            }
+            let mut l = self.lock();
+            if Arc::ptr_eq(cq, &self.send_cq) {
+                for r in l.sq.drain(..) {
+                    if r.internal {
+                        cq.release_internal(1);
+                    } else {
+                        cq.release(1);
+                    }
+                }
+                l.pending = 0;
+                l.user_sq = 0;
+            }
+            if Arc::ptr_eq(cq, &self.recv_cq) {
+                let n = l.rq.len();
+                l.rq.clear();
+                cq.release(n);
+            }
+        }
+    }
+}
+
+enum Posted {
+    Yes,
+    Later,
+    Refused(Error),
+}
+
+/// A connected endpoint of a verbs provider. Dropping it closes the connection.
+pub struct VerbsEndpoint<F: Flavor> {
+    pub(crate) core: Arc<EpCore>,
+    pub(crate) _f: PhantomData<fn() -> F>,
+}
+
+impl<F: Flavor> fmt::Debug for VerbsEndpoint<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VerbsEndpoint")
+            .field("provider", &F::NAME)
+            .field("core", &self.core)
+            .finish()
+    }
+}
+
+impl<F: Flavor> Endpoint for VerbsEndpoint<F> {
+    fn post_send(&self, wr: &SendWr<'_>) -> Result<()> {
+        self.core.post_send(wr)
+    }
+    fn post_recv(&self, wr: &RecvWr<'_>) -> Result<()> {
+        self.core.post_recv(wr)
+    }
+    fn state(&self) -> EndpointState {
+        self.core.state()
+    }
+    fn peer_private_data(&self) -> Vec<u8> {
+        self.core.peer_private.clone()
+    }
+    fn local_addr(&self) -> SocketAddr {
+        self.core.local
+    }
+    fn peer_addr(&self) -> SocketAddr {
+        self.core.peer
+    }
+    fn emulated(&self) -> Vec<String> {
+        self.core
+            .dom
+            .profile
+            .emulated
+            .iter()
+            .map(|e| format!("{}: {}", e.feature, e.how))
+            .collect()
+    }
+    fn close(&self) -> Result<()> {
+        self.core.close();
+        Ok(())
+    }
+}
+
+impl<F: Flavor> Drop for VerbsEndpoint<F> {
+    fn drop(&mut self) {
+        self.core.teardown();
+    }
+}

@@ -1,0 +1,1240 @@
+//! The only module of the workspace that calls rdma-core: thin owning wrappers over
+//! libibverbs and librdmacm objects. Every other module is safe code over these types.
+//!
+//! Ownership rules, enforced by the types:
+//! * a [`Pd`] outlives every [`Mr`] and queue pair created on it (they hold an `Arc<Pd>`);
+//! * a [`HwCq`] outlives the queue pairs that use it (endpoints hold the queue);
+//! * a [`CmId`] is destroyed exactly once, after its queue pair;
+//! * memory named by a posted work request stays alive until the request completed or its
+//!   queue pair was destroyed: the callers keep the `Arc<Buffer>` (through `RegionRef`) in
+//!   their ledger for exactly that long (see `ep.rs`).
+#![allow(unsafe_code)]
+
+use std::ffi::CStr;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+use std::os::fd::RawFd;
+use std::ptr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdma_sys as sys;
+
+/// The last OS error as an [`io::Error`].
+fn last_err() -> io::Error {
+    io::Error::last_os_error()
+}
+
+/// Turns a C return code (0 ok, -1 with errno, or a positive errno) into a result.
+fn check(rc: i32) -> io::Result<()> {
+    match rc {
+        0 => Ok(()),
+        -1 => Err(last_err()),
+        e if e > 0 => Err(io::Error::from_raw_os_error(e)),
+        e => Err(io::Error::from_raw_os_error(-e)),
+    }
+}
+
+// ----- discovery -------------------------------------------------------------------------
+
+/// Raw facts of one port, as `ibv_query_port` reports them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawPort {
+    pub state: u32,
+    pub max_mtu: u32,
+    pub active_mtu: u32,
+    pub max_msg_sz: u32,
+    pub lid: u16,
+    pub sm_lid: u16,
+    pub lmc: u8,
+    pub link_layer: u8,
+}
+
+/// Raw facts of one device, as `ibv_query_device` reports them, plus what probing found.
+#[derive(Debug, Clone)]
+pub(crate) struct RawDevice {
+    pub name: String,
+    pub transport: i32,
+    pub node_guid: u64,
+    pub fw_ver: String,
+    pub max_mr_size: u64,
+    pub max_qp_wr: i32,
+    pub max_sge: i32,
+    pub max_sge_rd: i32,
+    pub max_cqe: i32,
+    pub max_qp_rd_atom: i32,
+    pub max_qp_init_rd_atom: i32,
+    pub atomic_cap: u32,
+    pub ports: Vec<(RawPort, Vec<[u8; 16]>)>,
+    /// Largest inline payload a probe RC queue pair accepted (0 when none).
+    pub max_inline: u32,
+    /// Gather entries the probe queue pair accepted.
+    pub probe_sge: u32,
+}
+
+/// Lists every verbs device libibverbs sees, with attributes, ports and GID tables.
+/// `Err` carries errno when libibverbs itself failed (no kernel support).
+pub(crate) fn probe_devices() -> io::Result<Vec<RawDevice>> {
+    let mut n = 0i32;
+    // SAFETY: `n` is a valid out-pointer; the list is freed below with
+    // ibv_free_device_list and no device pointer escapes this function.
+    let list = unsafe { sys::ibv_get_device_list(&mut n) };
+    if list.is_null() {
+        return Err(last_err());
+    }
+    let mut out = Vec::new();
+    for i in 0..n.max(0) as usize {
+        // SAFETY: the list holds `n` valid device pointers.
+        let dev = unsafe { *list.add(i) };
+        if dev.is_null() {
+            break;
+        }
+        match probe_one(dev) {
+            Ok(d) => out.push(d),
+            Err(e) => tracing::debug!("probing a verbs device failed: {e}"),
+        }
+    }
+    // SAFETY: `list` came from ibv_get_device_list and is freed once.
+    unsafe { sys::ibv_free_device_list(list) };
+    Ok(out)
+}
+
+fn cstr(p: *const libc::c_char) -> String {
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: rdma-core returns NUL-terminated strings that live as long as the device.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+fn probe_one(dev: *mut sys::ibv_device) -> io::Result<RawDevice> {
+    // SAFETY: `dev` is a valid device from the current device list.
+    let name = cstr(unsafe { sys::ibv_get_device_name(dev) });
+    // SAFETY: as above; the context is closed at the end of this function.
+    let ctx = unsafe { sys::ibv_open_device(dev) };
+    if ctx.is_null() {
+        return Err(last_err());
+    }
+    let r = probe_ctx(ctx, name);
+    // SAFETY: `ctx` was opened above, every object created on it was destroyed.
+    unsafe { sys::ibv_close_device(ctx) };
+    r
+}
+
+fn probe_ctx(ctx: *mut sys::ibv_context, name: String) -> io::Result<RawDevice> {
+    // SAFETY: all-zero is a valid value of this plain C struct.
+    let mut attr: sys::ibv_device_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: `ctx` is open; `attr` is a valid out-pointer.
+    check(unsafe { sys::ibv_query_device(ctx, &mut attr) })?;
+    // SAFETY: an open context points at its device.
+    let transport = unsafe { (*(*ctx).device).transport_type } as i32;
+    let mut ports = Vec::new();
+    for p in 1..=attr.phys_port_cnt {
+        // SAFETY: all-zero is a valid value of this plain C struct.
+        let mut pa: sys::ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: `ctx` is open; `pa` is a valid out-pointer of the full struct size.
+        check(unsafe { sys::___ibv_query_port(ctx, p, &mut pa) })?;
+        let mut gids = Vec::new();
+        for idx in 0..pa.gid_tbl_len.max(0) {
+            // SAFETY: all-zero is a valid GID.
+            let mut g: sys::ibv_gid = unsafe { std::mem::zeroed() };
+            // SAFETY: `ctx` is open, the index is inside the table, `g` is an out-pointer.
+            if unsafe { sys::ibv_query_gid(ctx, p, idx, &mut g) } != 0 {
+                break;
+            }
+            // SAFETY: every bit pattern of the union is a valid byte array.
+            gids.push(unsafe { g.raw });
+        }
+        ports.push((
+            RawPort {
+                state: pa.state,
+                max_mtu: pa.max_mtu,
+                active_mtu: pa.active_mtu,
+                max_msg_sz: pa.max_msg_sz,
+                lid: pa.lid,
+                sm_lid: pa.sm_lid,
+                lmc: pa.lmc,
+                link_layer: pa.link_layer,
+            },
+            gids,
+        ));
+    }
+    let (max_inline, probe_sge) = probe_qp_caps(ctx, &attr);
+    let fw = attr.fw_ver;
+    Ok(RawDevice {
+        name,
+        transport,
+        node_guid: u64::from_be(attr.node_guid),
+        fw_ver: cstr(fw.as_ptr()),
+        max_mr_size: attr.max_mr_size,
+        max_qp_wr: attr.max_qp_wr,
+        max_sge: attr.max_sge,
+        max_sge_rd: attr.max_sge_rd,
+        max_cqe: attr.max_cqe,
+        max_qp_rd_atom: attr.max_qp_rd_atom,
+        max_qp_init_rd_atom: attr.max_qp_init_rd_atom,
+        atomic_cap: attr.atomic_cap,
+        ports,
+        max_inline,
+        probe_sge,
+    })
+}
+
+/// Creates throw-away RC queue pairs to learn the largest inline payload and gather list
+/// the device really accepts (device attributes do not report max inline).
+fn probe_qp_caps(ctx: *mut sys::ibv_context, attr: &sys::ibv_device_attr) -> (u32, u32) {
+    // SAFETY: `ctx` is open; the PD and CQ are destroyed before returning.
+    let pd = unsafe { sys::ibv_alloc_pd(ctx) };
+    if pd.is_null() {
+        return (0, 0);
+    }
+    // SAFETY: as above.
+    let cq = unsafe { sys::ibv_create_cq(ctx, 4, ptr::null_mut(), ptr::null_mut(), 0) };
+    let mut best = (0u32, 0u32);
+    if !cq.is_null() {
+        let sge = attr.max_sge.clamp(1, 64) as u32;
+        for inline in [1024u32, 512, 400, 256, 220, 128, 80, 64, 32, 0] {
+            // SAFETY: all-zero is a valid init attribute, filled in below.
+            let mut ia: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+            ia.send_cq = cq;
+            ia.recv_cq = cq;
+            ia.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
+            ia.cap.max_send_wr = 1;
+            ia.cap.max_recv_wr = 1;
+            ia.cap.max_send_sge = sge;
+            ia.cap.max_recv_sge = sge;
+            ia.cap.max_inline_data = inline;
+            // SAFETY: `pd` and `cq` are live; the QP is destroyed at once.
+            let qp = unsafe { sys::ibv_create_qp(pd, &mut ia) };
+            if !qp.is_null() {
+                best = (
+                    ia.cap.max_inline_data,
+                    ia.cap.max_send_sge.min(ia.cap.max_recv_sge),
+                );
+                // SAFETY: created just above, destroyed once.
+                unsafe { sys::ibv_destroy_qp(qp) };
+                break;
+            }
+        }
+        // SAFETY: created above; its QPs are gone.
+        unsafe { sys::ibv_destroy_cq(cq) };
+    }
+    // SAFETY: allocated above; everything on it is gone.
+    unsafe { sys::ibv_dealloc_pd(pd) };
+    best
+}
+
+// ----- contexts and protection domains ---------------------------------------------------
+
+/// A device context opened by librdmacm (the one its connection identifiers use). These
+/// contexts stay open for the life of the process, so the handle is plain data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ctx(*mut sys::ibv_context);
+
+// SAFETY: verbs contexts are thread-safe; librdmacm keeps them open for the process lifetime.
+unsafe impl Send for Ctx {}
+// SAFETY: as above.
+unsafe impl Sync for Ctx {}
+
+impl Ctx {
+    /// The librdmacm context of the device called `name`.
+    pub fn by_name(name: &str) -> io::Result<Ctx> {
+        let mut n = 0i32;
+        // SAFETY: `n` is a valid out-pointer; the array is freed below, the contexts
+        // themselves stay open (librdmacm owns them).
+        let list = unsafe { sys::rdma_get_devices(&mut n) };
+        if list.is_null() {
+            return Err(last_err());
+        }
+        let mut found = None;
+        for i in 0..n.max(0) as usize {
+            // SAFETY: the array holds `n` contexts.
+            let c = unsafe { *list.add(i) };
+            if c.is_null() {
+                break;
+            }
+            // SAFETY: an open context points at its device.
+            if cstr(unsafe { sys::ibv_get_device_name((*c).device) }) == name {
+                found = Some(Ctx(c));
+            }
+        }
+        // SAFETY: returned by rdma_get_devices, freed once.
+        unsafe { sys::rdma_free_devices(list) };
+        found.ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("librdmacm has no device {name}"),
+            )
+        })
+    }
+
+    pub(crate) fn raw(self) -> *mut sys::ibv_context {
+        self.0
+    }
+}
+
+/// A protection domain.
+#[derive(Debug)]
+pub(crate) struct Pd {
+    ptr: *mut sys::ibv_pd,
+}
+
+// SAFETY: verbs objects may be used from any thread.
+unsafe impl Send for Pd {}
+// SAFETY: as above.
+unsafe impl Sync for Pd {}
+
+impl Pd {
+    pub fn alloc(ctx: Ctx) -> io::Result<Arc<Pd>> {
+        // SAFETY: `ctx` is an open context.
+        let ptr = unsafe { sys::ibv_alloc_pd(ctx.raw()) };
+        if ptr.is_null() {
+            return Err(last_err());
+        }
+        Ok(Arc::new(Pd { ptr }))
+    }
+}
+
+impl Drop for Pd {
+    fn drop(&mut self) {
+        // SAFETY: every MR and QP on this PD holds an Arc<Pd>, so none is left.
+        let rc = unsafe { sys::ibv_dealloc_pd(self.ptr) };
+        if rc != 0 {
+            tracing::warn!(
+                "ibv_dealloc_pd failed: {}",
+                io::Error::from_raw_os_error(rc)
+            );
+        }
+    }
+}
+
+/// Verbs access flags.
+pub(crate) mod access {
+    pub const LOCAL_WRITE: u32 = 1;
+    pub const REMOTE_WRITE: u32 = 2;
+    pub const REMOTE_READ: u32 = 4;
+    pub const REMOTE_ATOMIC: u32 = 8;
+}
+
+/// A memory registration. It holds its buffer, so the memory outlives the registration
+/// by construction.
+#[derive(Debug)]
+pub(crate) struct Mr {
+    ptr: *mut sys::ibv_mr,
+    _pd: Arc<Pd>,
+    _buf: Arc<fabric_api::Buffer>,
+}
+
+// SAFETY: verbs objects may be used from any thread.
+unsafe impl Send for Mr {}
+// SAFETY: as above.
+unsafe impl Sync for Mr {}
+
+impl Mr {
+    /// Registers the whole buffer (at least one byte: a zero-length buffer still owns a
+    /// page, so the extra byte is inside its allocation).
+    pub fn register(pd: &Arc<Pd>, buf: &Arc<fabric_api::Buffer>, flags: u32) -> io::Result<Mr> {
+        let len = buf.len().max(1);
+        // SAFETY: the PD is live; the buffer is valid for `len` bytes (its allocation is
+        // page-sized) and this Mr holds an Arc of it, so it is freed only after
+        // ibv_dereg_mr in Drop.
+        let ptr = unsafe { sys::ibv_reg_mr(pd.ptr, buf.as_mut_ptr().cast(), len, flags as i32) };
+        if ptr.is_null() {
+            return Err(last_err());
+        }
+        Ok(Mr {
+            ptr,
+            _pd: pd.clone(),
+            _buf: buf.clone(),
+        })
+    }
+
+    pub fn lkey(&self) -> u32 {
+        // SAFETY: the MR is live.
+        unsafe { (*self.ptr).lkey }
+    }
+
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: the MR is live.
+        unsafe { (*self.ptr).rkey }
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        // SAFETY: registered in `register`, deregistered once.
+        let rc = unsafe { sys::ibv_dereg_mr(self.ptr) };
+        if rc != 0 {
+            tracing::warn!("ibv_dereg_mr failed: {}", io::Error::from_raw_os_error(rc));
+        }
+    }
+}
+
+// ----- completion queues -----------------------------------------------------------------
+
+/// One work completion, copied out of the device's queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Wc {
+    pub wr_id: u64,
+    pub status: u32,
+    pub opcode: u32,
+    pub vendor_err: u32,
+    pub byte_len: u32,
+    pub imm: Option<u32>,
+    pub qp_num: u32,
+}
+
+/// `ibv_wc_opcode` values used here.
+pub(crate) mod wc_opcode {
+    pub const RECV_RDMA_WITH_IMM: u32 = 129;
+}
+
+/// A completion queue with its own completion channel (for the blocking wait).
+#[derive(Debug)]
+pub(crate) struct HwCq {
+    cq: *mut sys::ibv_cq,
+    chan: *mut sys::ibv_comp_channel,
+    pub ctx: Ctx,
+}
+
+// SAFETY: polling, arming and channel reads are thread-safe in libibverbs.
+unsafe impl Send for HwCq {}
+// SAFETY: as above.
+unsafe impl Sync for HwCq {}
+
+impl HwCq {
+    pub fn new(ctx: Ctx, entries: usize) -> io::Result<HwCq> {
+        // SAFETY: `ctx` is open.
+        let chan = unsafe { sys::ibv_create_comp_channel(ctx.raw()) };
+        if chan.is_null() {
+            return Err(last_err());
+        }
+        // SAFETY: the channel was created above and is live.
+        let fd = unsafe { (*chan).fd };
+        set_nonblocking(fd)?;
+        // SAFETY: `ctx` and `chan` are live.
+        let cq = unsafe { sys::ibv_create_cq(ctx.raw(), entries as i32, ptr::null_mut(), chan, 0) };
+        if cq.is_null() {
+            let e = last_err();
+            // SAFETY: created above, no CQ uses it.
+            unsafe { sys::ibv_destroy_comp_channel(chan) };
+            return Err(e);
+        }
+        Ok(HwCq { cq, chan, ctx })
+    }
+
+    pub fn raw(&self) -> *mut sys::ibv_cq {
+        self.cq
+    }
+
+    /// Polls up to `out.len()` completions (non-blocking); returns how many were filled.
+    pub fn poll(&self, out: &mut [Wc]) -> io::Result<usize> {
+        let mut raw: [std::mem::MaybeUninit<sys::ibv_wc>; 32] =
+            [const { std::mem::MaybeUninit::uninit() }; 32];
+        let want = out.len().min(raw.len());
+        // SAFETY: the CQ is live; `raw` has room for `want` entries.
+        let n = unsafe { sys::ibv_poll_cq(self.cq, want as i32, raw.as_mut_ptr().cast()) };
+        if n < 0 {
+            return Err(io::Error::other(format!("ibv_poll_cq returned {n}")));
+        }
+        for i in 0..n as usize {
+            // SAFETY: ibv_poll_cq initialised the first `n` entries.
+            let w = unsafe { raw[i].assume_init_ref() };
+            let with_imm = w.wc_flags & 2 != 0; // IBV_WC_WITH_IMM
+            out[i] = Wc {
+                wr_id: w.wr_id,
+                status: w.status,
+                opcode: w.opcode,
+                vendor_err: w.vendor_err,
+                byte_len: w.byte_len,
+                // SAFETY: with IBV_WC_WITH_IMM the union holds the immediate data.
+                imm: with_imm
+                    .then(|| u32::from_be(unsafe { w.imm_data_invalidated_rkey_union.imm_data })),
+                qp_num: w.qp_num,
+            };
+        }
+        Ok(n as usize)
+    }
+
+    /// Arms the queue: the next completion makes the channel readable.
+    pub fn arm(&self) -> io::Result<()> {
+        // SAFETY: the CQ is live.
+        check(unsafe { sys::ibv_req_notify_cq(self.cq, 0) })
+    }
+
+    /// The completion channel's file descriptor (non-blocking).
+    pub fn fd(&self) -> RawFd {
+        // SAFETY: the channel is live.
+        unsafe { (*self.chan).fd }
+    }
+
+    /// Consumes one pending channel event, if any, and acknowledges it.
+    pub fn take_event(&self) -> bool {
+        let mut cq = ptr::null_mut();
+        let mut cq_ctx = ptr::null_mut();
+        // SAFETY: the channel is live and non-blocking; out-pointers are valid.
+        if unsafe { sys::ibv_get_cq_event(self.chan, &mut cq, &mut cq_ctx) } != 0 {
+            return false;
+        }
+        // SAFETY: every event taken is acknowledged once, before the CQ is destroyed.
+        unsafe { sys::ibv_ack_cq_events(cq, 1) };
+        true
+    }
+}
+
+impl Drop for HwCq {
+    fn drop(&mut self) {
+        // SAFETY: endpoints using this CQ hold it (Arc), so no QP uses it now; all
+        // channel events were acknowledged as they were taken.
+        unsafe {
+            sys::ibv_destroy_cq(self.cq);
+            sys::ibv_destroy_comp_channel(self.chan);
+        }
+    }
+}
+
+/// Sets O_NONBLOCK on `fd`.
+pub(crate) fn set_nonblocking(fd: RawFd) -> io::Result<()> {
+    // SAFETY: fcntl on a descriptor we own; no memory is involved.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(last_err());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(last_err());
+    }
+    Ok(())
+}
+
+/// An eventfd used to wake threads blocked in [`poll_fds`].
+#[derive(Debug)]
+pub(crate) struct EventFd(RawFd);
+
+impl EventFd {
+    pub fn new() -> io::Result<EventFd> {
+        // SAFETY: plain syscall creating a descriptor we own.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(last_err());
+        }
+        Ok(EventFd(fd))
+    }
+    pub fn fd(&self) -> RawFd {
+        self.0
+    }
+    /// Makes the descriptor readable.
+    pub fn signal(&self) {
+        let one = 1u64;
+        // SAFETY: writes 8 bytes from a live local to our descriptor.
+        let _ = unsafe { libc::write(self.0, (&one as *const u64).cast(), 8) };
+    }
+    /// Makes the descriptor unreadable again.
+    pub fn clear(&self) {
+        let mut v = 0u64;
+        // SAFETY: reads 8 bytes into a live local from our non-blocking descriptor.
+        let _ = unsafe { libc::read(self.0, (&mut v as *mut u64).cast(), 8) };
+    }
+}
+
+impl Drop for EventFd {
+    fn drop(&mut self) {
+        // SAFETY: closes the descriptor we own, once.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+/// Waits until one of `fds` is readable or `timeout` passes (`None`: forever). Returns
+/// which are readable.
+pub(crate) fn poll_fds(fds: &[RawFd], timeout: Option<Duration>) -> io::Result<Vec<bool>> {
+    let mut p: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as i32);
+    // SAFETY: `p` is a valid array of `p.len()` pollfd structs.
+    let rc = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, ms) };
+    if rc < 0 {
+        let e = last_err();
+        if e.kind() == io::ErrorKind::Interrupted {
+            return Ok(vec![false; fds.len()]);
+        }
+        return Err(e);
+    }
+    Ok(p.iter().map(|x| x.revents != 0).collect())
+}
+
+/// The locked-memory limit (soft), in bytes; `None` when unlimited.
+pub(crate) fn memlock_limit() -> Option<u64> {
+    // SAFETY: all-zero is a valid rlimit; getrlimit fills it.
+    let mut r: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out-pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0 {
+        return None;
+    }
+    (r.rlim_cur != libc::RLIM_INFINITY).then_some(r.rlim_cur)
+}
+
+/// IPv4 and IPv6 addresses of the network interface `ifname`.
+pub(crate) fn if_addrs(ifname: &str) -> Vec<IpAddr> {
+    let mut head: *mut libc::ifaddrs = ptr::null_mut();
+    // SAFETY: valid out-pointer; freed with freeifaddrs below.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: walking the list getifaddrs returned.
+        let ifa = unsafe { &*cur };
+        if cstr(ifa.ifa_name) == ifname && !ifa.ifa_addr.is_null() {
+            // SAFETY: ifa_addr is a valid sockaddr of its family.
+            if let Some(sa) = unsafe { sockaddr_to_std(ifa.ifa_addr) } {
+                out.push(sa.ip());
+            }
+        }
+        cur = ifa.ifa_next;
+    }
+    // SAFETY: returned by getifaddrs, freed once.
+    unsafe { libc::freeifaddrs(head) };
+    out
+}
+
+/// Converts a C socket address.
+///
+/// # Safety
+/// `sa` must point at a valid socket address of the family it names.
+unsafe fn sockaddr_to_std(sa: *const libc::sockaddr) -> Option<SocketAddr> {
+    // SAFETY: the caller guarantees `sa` is valid; the cast matches the family.
+    unsafe {
+        match i32::from((*sa).sa_family) {
+            libc::AF_INET => {
+                let s = &*(sa as *const libc::sockaddr_in);
+                Some(SocketAddr::V4(SocketAddrV4::new(
+                    Ipv4Addr::from(u32::from_be(s.sin_addr.s_addr)),
+                    u16::from_be(s.sin_port),
+                )))
+            }
+            libc::AF_INET6 => {
+                let s = &*(sa as *const libc::sockaddr_in6);
+                Some(SocketAddr::V6(SocketAddrV6::new(
+                    Ipv6Addr::from(s.sin6_addr.s6_addr),
+                    u16::from_be(s.sin6_port),
+                    s.sin6_flowinfo,
+                    s.sin6_scope_id,
+                )))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// A C socket address built from a Rust one.
+struct CSockAddr(libc::sockaddr_storage);
+
+impl CSockAddr {
+    fn new(a: SocketAddr) -> Self {
+        // SAFETY: all-zero is a valid sockaddr_storage.
+        let mut st: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        match a {
+            SocketAddr::V4(v4) => {
+                // SAFETY: sockaddr_storage is large and aligned enough for sockaddr_in.
+                let s = unsafe { &mut *(&mut st as *mut _ as *mut libc::sockaddr_in) };
+                s.sin_family = libc::AF_INET as libc::sa_family_t;
+                s.sin_port = v4.port().to_be();
+                s.sin_addr.s_addr = u32::from(*v4.ip()).to_be();
+            }
+            SocketAddr::V6(v6) => {
+                // SAFETY: sockaddr_storage is large and aligned enough for sockaddr_in6.
+                let s = unsafe { &mut *(&mut st as *mut _ as *mut libc::sockaddr_in6) };
+                s.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+                s.sin6_port = v6.port().to_be();
+                s.sin6_addr.s6_addr = v6.ip().octets();
+                s.sin6_scope_id = v6.scope_id();
+            }
+        }
+        CSockAddr(st)
+    }
+    fn as_ptr(&mut self) -> *mut libc::sockaddr {
+        (&mut self.0 as *mut libc::sockaddr_storage).cast()
+    }
+}
+
+// ----- rdma_cm ---------------------------------------------------------------------------
+
+/// `rdma_cm_event_type` values.
+pub(crate) mod cm_event {
+    pub use rdma_sys::rdma_cm_event_type::*;
+}
+
+/// A connection-manager event, copied out and already acknowledged.
+#[derive(Debug, Clone)]
+pub(crate) struct CmEvent {
+    pub kind: u32,
+    pub status: i32,
+    /// The identifier the event is for (a new one for connection requests).
+    pub id: usize,
+    /// The listening identifier (connection requests).
+    pub listen_id: usize,
+    pub private_data: Vec<u8>,
+    pub initiator_depth: u8,
+    pub responder_resources: u8,
+}
+
+/// An rdma_cm event channel (non-blocking).
+#[derive(Debug)]
+pub(crate) struct EventChannel(*mut sys::rdma_event_channel);
+
+// SAFETY: librdmacm event channels may be read from any thread.
+unsafe impl Send for EventChannel {}
+// SAFETY: as above.
+unsafe impl Sync for EventChannel {}
+
+impl EventChannel {
+    pub fn new() -> io::Result<EventChannel> {
+        // SAFETY: plain constructor.
+        let ch = unsafe { sys::rdma_create_event_channel() };
+        if ch.is_null() {
+            return Err(last_err());
+        }
+        // SAFETY: the channel is live.
+        set_nonblocking(unsafe { (*ch).fd })?;
+        Ok(EventChannel(ch))
+    }
+
+    pub fn fd(&self) -> RawFd {
+        // SAFETY: the channel is live.
+        unsafe { (*self.0).fd }
+    }
+
+    /// Takes the next event if one is ready: copies what we need and acknowledges it at
+    /// once (so `rdma_destroy_id` never waits on us).
+    pub fn next(&self) -> Option<CmEvent> {
+        let mut ev = ptr::null_mut();
+        // SAFETY: the channel is live and non-blocking; `ev` is a valid out-pointer.
+        if unsafe { sys::rdma_get_cm_event(self.0, &mut ev) } != 0 {
+            return None;
+        }
+        // SAFETY: rdma_get_cm_event returned a valid event, read before it is acked.
+        let out = unsafe {
+            let e = &*ev;
+            let conn = e.param.conn;
+            let private_data = if conn.private_data.is_null() || conn.private_data_len == 0 {
+                Vec::new()
+            } else {
+                std::slice::from_raw_parts(
+                    conn.private_data.cast::<u8>(),
+                    usize::from(conn.private_data_len),
+                )
+                .to_vec()
+            };
+            CmEvent {
+                kind: e.event,
+                status: e.status,
+                id: e.id as usize,
+                listen_id: e.listen_id as usize,
+                private_data,
+                initiator_depth: conn.initiator_depth,
+                responder_resources: conn.responder_resources,
+            }
+        };
+        // SAFETY: acknowledged exactly once, after the copy above.
+        unsafe { sys::rdma_ack_cm_event(ev) };
+        Some(out)
+    }
+}
+
+impl Drop for EventChannel {
+    fn drop(&mut self) {
+        // SAFETY: every identifier on the channel was destroyed before (they keep the
+        // channel's owner alive), and every event was acknowledged.
+        unsafe { sys::rdma_destroy_event_channel(self.0) };
+    }
+}
+
+/// Connection parameters for connect and accept.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConnParam<'a> {
+    pub private_data: &'a [u8],
+    pub responder_resources: u8,
+    pub initiator_depth: u8,
+    pub retry_count: u8,
+    pub rnr_retry_count: u8,
+}
+
+impl ConnParam<'_> {
+    fn raw(&self) -> sys::rdma_conn_param {
+        sys::rdma_conn_param {
+            private_data: if self.private_data.is_empty() {
+                ptr::null()
+            } else {
+                self.private_data.as_ptr().cast()
+            },
+            private_data_len: self.private_data.len() as u8,
+            responder_resources: self.responder_resources,
+            initiator_depth: self.initiator_depth,
+            flow_control: 1,
+            retry_count: self.retry_count,
+            rnr_retry_count: self.rnr_retry_count,
+            srq: 0,
+            qp_num: 0,
+        }
+    }
+}
+
+/// Queue pair sizes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct QpCaps {
+    pub send_wr: u32,
+    pub recv_wr: u32,
+    pub send_sge: u32,
+    pub recv_sge: u32,
+    pub inline: u32,
+}
+
+/// A scatter/gather entry of a posted request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Sge {
+    pub addr: u64,
+    pub len: u32,
+    pub lkey: u32,
+}
+
+/// The operation of a hardware send-queue request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HwOp {
+    Send {
+        imm: Option<u32>,
+    },
+    Write {
+        addr: u64,
+        rkey: u32,
+        imm: Option<u32>,
+    },
+    Read {
+        addr: u64,
+        rkey: u32,
+    },
+    FetchAdd {
+        addr: u64,
+        rkey: u32,
+        add: u64,
+    },
+    CompareSwap {
+        addr: u64,
+        rkey: u32,
+        compare: u64,
+        swap: u64,
+    },
+}
+
+/// A hardware send-queue request (always signaled: see `cq.rs`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct HwWr {
+    pub wr_id: u64,
+    pub op: HwOp,
+    pub sges: Vec<Sge>,
+    /// Inline payload copied at post time (the `sges` are ignored then).
+    pub inline: Option<Vec<u8>>,
+    pub fence: bool,
+}
+
+/// An rdma_cm identifier, with its queue pair once created.
+#[derive(Debug)]
+pub(crate) struct CmId {
+    id: *mut sys::rdma_cm_id,
+    has_qp: std::sync::atomic::AtomicBool,
+}
+
+// SAFETY: librdmacm identifiers and verbs queue pairs may be used from any thread; the
+// owner serialises destruction (Drop).
+unsafe impl Send for CmId {}
+// SAFETY: as above.
+unsafe impl Sync for CmId {}
+
+impl CmId {
+    pub fn new(ch: &EventChannel) -> io::Result<CmId> {
+        let mut id = ptr::null_mut();
+        // SAFETY: the channel is live; `id` is a valid out-pointer.
+        check(unsafe {
+            sys::rdma_create_id(
+                ch.0,
+                &mut id,
+                ptr::null_mut(),
+                sys::rdma_port_space::RDMA_PS_TCP,
+            )
+        })?;
+        Ok(CmId {
+            id,
+            has_qp: false.into(),
+        })
+    }
+
+    /// Adopts the identifier of a connection request.
+    ///
+    /// # Safety
+    /// `raw` must be the `id` of a connection-request event not adopted before.
+    pub unsafe fn adopt(raw: usize) -> CmId {
+        CmId {
+            id: raw as *mut sys::rdma_cm_id,
+            has_qp: false.into(),
+        }
+    }
+
+    /// The raw identifier, as events name it.
+    pub fn key(&self) -> usize {
+        self.id as usize
+    }
+
+    /// The device context the identifier is bound to (after address resolution or bind).
+    pub fn ctx(&self) -> Option<Ctx> {
+        // SAFETY: the identifier is live.
+        let v = unsafe { (*self.id).verbs };
+        (!v.is_null()).then_some(Ctx(v))
+    }
+
+    pub fn bind(&self, addr: SocketAddr) -> io::Result<()> {
+        let mut a = CSockAddr::new(addr);
+        // SAFETY: the identifier is live; the address is valid for the call.
+        check(unsafe { sys::rdma_bind_addr(self.id, a.as_ptr()) })
+    }
+
+    pub fn listen(&self, backlog: i32) -> io::Result<()> {
+        // SAFETY: the identifier is live and bound.
+        check(unsafe { sys::rdma_listen(self.id, backlog) })
+    }
+
+    pub fn resolve_addr(
+        &self,
+        src: Option<SocketAddr>,
+        dst: SocketAddr,
+        timeout: Duration,
+    ) -> io::Result<()> {
+        let mut s = src.map(CSockAddr::new);
+        let mut d = CSockAddr::new(dst);
+        let sp = s.as_mut().map_or(ptr::null_mut(), |s| s.as_ptr());
+        // SAFETY: the identifier is live; the addresses are valid for the call.
+        check(unsafe {
+            sys::rdma_resolve_addr(
+                self.id,
+                sp,
+                d.as_ptr(),
+                timeout.as_millis().clamp(1, 60_000) as i32,
+            )
+        })
+    }
+
+    pub fn resolve_route(&self, timeout: Duration) -> io::Result<()> {
+        // SAFETY: the identifier is live.
+        check(unsafe {
+            sys::rdma_resolve_route(self.id, timeout.as_millis().clamp(1, 60_000) as i32)
+        })
+    }
+
+    /// Sets the IP type of service (traffic class for RoCE v2).
+    pub fn set_tos(&self, tos: u8) -> io::Result<()> {
+        let mut v = tos;
+        // SAFETY: the identifier is live; option RDMA_OPTION_ID (0) / RDMA_OPTION_ID_TOS
+        // (0) takes one byte.
+        check(unsafe { sys::rdma_set_option(self.id, 0, 0, (&mut v as *mut u8).cast(), 1) })
+    }
+
+    /// Creates the RC queue pair of this identifier; returns the sizes granted.
+    pub fn create_qp(
+        &mut self,
+        pd: &Pd,
+        send_cq: &HwCq,
+        recv_cq: &HwCq,
+        caps: QpCaps,
+    ) -> io::Result<QpCaps> {
+        // SAFETY: all-zero is a valid init attribute, filled in below.
+        let mut ia: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        ia.send_cq = send_cq.raw();
+        ia.recv_cq = recv_cq.raw();
+        ia.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
+        ia.sq_sig_all = 0;
+        ia.cap.max_send_wr = caps.send_wr;
+        ia.cap.max_recv_wr = caps.recv_wr;
+        ia.cap.max_send_sge = caps.send_sge;
+        ia.cap.max_recv_sge = caps.recv_sge;
+        ia.cap.max_inline_data = caps.inline;
+        // SAFETY: identifier, PD and CQs are live; the QP is destroyed in Drop before the
+        // identifier, and the owner keeps PD and CQs alive longer.
+        check(unsafe { sys::rdma_create_qp(self.id, pd.ptr, &mut ia) })?;
+        self.has_qp
+            .store(true, std::sync::atomic::Ordering::Release);
+        Ok(QpCaps {
+            send_wr: ia.cap.max_send_wr,
+            recv_wr: ia.cap.max_recv_wr,
+            send_sge: ia.cap.max_send_sge,
+            recv_sge: ia.cap.max_recv_sge,
+            inline: ia.cap.max_inline_data,
+        })
+    }
+
+    fn qp(&self) -> *mut sys::ibv_qp {
+        // SAFETY: the identifier is live.
+        unsafe { (*self.id).qp }
+    }
+
+    pub fn qp_num(&self) -> u32 {
+        // SAFETY: only called after create_qp; the QP is live.
+        unsafe { (*self.qp()).qp_num }
+    }
+
+    pub fn connect(&self, p: &ConnParam<'_>) -> io::Result<()> {
+        let mut raw = p.raw();
+        // SAFETY: identifier live; the parameters (and private data) are valid for the call.
+        check(unsafe { sys::rdma_connect(self.id, &mut raw) })
+    }
+
+    pub fn accept(&self, p: &ConnParam<'_>) -> io::Result<()> {
+        let mut raw = p.raw();
+        // SAFETY: as in connect.
+        check(unsafe { sys::rdma_accept(self.id, &mut raw) })
+    }
+
+    pub fn reject(&self) {
+        // SAFETY: identifier live; no private data.
+        let _ = unsafe { sys::rdma_reject(self.id, ptr::null(), 0) };
+    }
+
+    pub fn disconnect(&self) -> io::Result<()> {
+        // SAFETY: identifier live.
+        check(unsafe { sys::rdma_disconnect(self.id) })
+    }
+
+    /// The local socket address.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        // SAFETY: the identifier is live; the route's source address is a sockaddr.
+        unsafe { sockaddr_to_std(ptr::addr_of!((*self.id).route.addr.src_addr_union.src_addr)) }
+    }
+
+    /// The peer's socket address.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        // SAFETY: as above, destination address.
+        unsafe { sockaddr_to_std(ptr::addr_of!((*self.id).route.addr.dst_addr_union.dst_addr)) }
+    }
+
+    /// The queue pair's state (`ibv_qp_state`).
+    pub fn qp_state(&self) -> io::Result<u32> {
+        // SAFETY: all-zero is valid for both structs.
+        let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut init: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: the QP is live; out-pointers valid.
+        check(unsafe {
+            sys::ibv_query_qp(
+                self.qp(),
+                &mut attr,
+                sys::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32,
+                &mut init,
+            )
+        })?;
+        Ok(attr.qp_state)
+    }
+
+    /// Sets the RNR NAK timer this side advertises (RTS to RTS).
+    pub fn set_min_rnr_timer(&self, timer: u8) -> io::Result<()> {
+        // SAFETY: all-zero is valid.
+        let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.min_rnr_timer = timer;
+        // SAFETY: the QP is live.
+        check(unsafe {
+            sys::ibv_modify_qp(
+                self.qp(),
+                &mut attr,
+                sys::ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER.0 as i32,
+            )
+        })
+    }
+
+    /// Posts a chain of send-queue requests. On failure returns how many were posted
+    /// before the bad one, and the error.
+    ///
+    /// # Safety
+    /// Every non-inline `Sge` must name memory registered under its `lkey` that stays
+    /// alive until the request completes or the queue pair is destroyed.
+    pub unsafe fn post_send(&self, wrs: &[HwWr]) -> Result<(), (usize, io::Error)> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let mut sges: Vec<Vec<sys::ibv_sge>> = wrs
+            .iter()
+            .map(|w| match &w.inline {
+                Some(data) if !data.is_empty() => vec![sys::ibv_sge {
+                    addr: data.as_ptr() as u64,
+                    length: data.len() as u32,
+                    lkey: 0,
+                }],
+                Some(_) => Vec::new(),
+                None => w
+                    .sges
+                    .iter()
+                    .map(|s| sys::ibv_sge {
+                        addr: s.addr,
+                        length: s.len,
+                        lkey: s.lkey,
+                    })
+                    .collect(),
+            })
+            .collect();
+        // SAFETY: all-zero is a valid (empty) send request; each is filled in below.
+        let mut raw: Vec<sys::ibv_send_wr> = (0..wrs.len())
+            .map(|_| unsafe { std::mem::zeroed() })
+            .collect();
+        for (i, w) in wrs.iter().enumerate() {
+            let r = &mut raw[i];
+            r.wr_id = w.wr_id;
+            r.sg_list = if sges[i].is_empty() {
+                ptr::null_mut()
+            } else {
+                sges[i].as_mut_ptr()
+            };
+            r.num_sge = sges[i].len() as i32;
+            let mut flags = 2u32; // IBV_SEND_SIGNALED
+            if w.inline.is_some() {
+                flags |= 8; // IBV_SEND_INLINE
+            }
+            if w.fence {
+                flags |= 1; // IBV_SEND_FENCE
+            }
+            r.send_flags = flags;
+            use sys::ibv_wr_opcode as op;
+            match w.op {
+                HwOp::Send { imm } => {
+                    r.opcode = if imm.is_some() {
+                        op::IBV_WR_SEND_WITH_IMM
+                    } else {
+                        op::IBV_WR_SEND
+                    };
+                    r.imm_data_invalidated_rkey_union.imm_data = imm.unwrap_or(0).to_be();
+                }
+                HwOp::Write { addr, rkey, imm } => {
+                    r.opcode = if imm.is_some() {
+                        op::IBV_WR_RDMA_WRITE_WITH_IMM
+                    } else {
+                        op::IBV_WR_RDMA_WRITE
+                    };
+                    r.imm_data_invalidated_rkey_union.imm_data = imm.unwrap_or(0).to_be();
+                    r.wr.rdma = sys::rdma_t {
+                        remote_addr: addr,
+                        rkey,
+                    };
+                }
+                HwOp::Read { addr, rkey } => {
+                    r.opcode = op::IBV_WR_RDMA_READ;
+                    r.wr.rdma = sys::rdma_t {
+                        remote_addr: addr,
+                        rkey,
+                    };
+                }
+                HwOp::FetchAdd { addr, rkey, add } => {
+                    r.opcode = op::IBV_WR_ATOMIC_FETCH_AND_ADD;
+                    r.wr.atomic = sys::atomic_t {
+                        remote_addr: addr,
+                        compare_add: add,
+                        swap: 0,
+                        rkey,
+                    };
+                }
+                HwOp::CompareSwap {
+                    addr,
+                    rkey,
+                    compare,
+                    swap,
+                } => {
+                    r.opcode = op::IBV_WR_ATOMIC_CMP_AND_SWP;
+                    r.wr.atomic = sys::atomic_t {
+                        remote_addr: addr,
+                        compare_add: compare,
+                        swap,
+                        rkey,
+                    };
+                }
+            }
+        }
+        let base = raw.as_mut_ptr();
+        for i in 0..raw.len() - 1 {
+            // SAFETY: `i + 1` is inside `raw`; the chain lives until the call returns.
+            raw[i].next = unsafe { base.add(i + 1) };
+        }
+        let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
+        // SAFETY: the QP is live; the chain and its sge arrays outlive the call; the
+        // caller guarantees the named memory outlives the requests.
+        let rc = unsafe { sys::ibv_post_send(self.qp(), base, &mut bad) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let posted = if bad.is_null() {
+            0
+        } else {
+            (bad as usize - base as usize) / std::mem::size_of::<sys::ibv_send_wr>()
+        };
+        Err((
+            posted,
+            io::Error::from_raw_os_error(if rc > 0 { rc } else { -rc }),
+        ))
+    }
+
+    /// Posts one receive.
+    ///
+    /// # Safety
+    /// The `sges` must name memory registered (LOCAL_WRITE) under their keys that stays
+    /// alive until the receive completes or the queue pair is destroyed.
+    pub unsafe fn post_recv(&self, wr_id: u64, sges: &[Sge]) -> io::Result<()> {
+        let mut list: Vec<sys::ibv_sge> = sges
+            .iter()
+            .map(|s| sys::ibv_sge {
+                addr: s.addr,
+                length: s.len,
+                lkey: s.lkey,
+            })
+            .collect();
+        let mut wr = sys::ibv_recv_wr {
+            wr_id,
+            next: ptr::null_mut(),
+            sg_list: if list.is_empty() {
+                ptr::null_mut()
+            } else {
+                list.as_mut_ptr()
+            },
+            num_sge: list.len() as i32,
+        };
+        let mut bad = ptr::null_mut();
+        // SAFETY: the QP is live; `wr` and `list` outlive the call; the caller guarantees
+        // the memory outlives the receive.
+        let rc = unsafe { sys::ibv_post_recv(self.qp(), &mut wr, &mut bad) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::from_raw_os_error(if rc > 0 { rc } else { -rc }))
+        }
+    }
+
+    /// Destroys the queue pair now (idempotent). After this no request of it touches memory.
+    pub fn destroy_qp(&self) {
+        if self.has_qp.swap(false, std::sync::atomic::Ordering::AcqRel) {
+            // SAFETY: created by create_qp, destroyed once (the flag is swapped atomically).
+            unsafe { sys::rdma_destroy_qp(self.id) };
+        }
+    }
+}
+
+impl Drop for CmId {
+    fn drop(&mut self) {
+        self.destroy_qp();
+        // SAFETY: destroyed once; every event for it was acknowledged when read.
+        let rc = unsafe { sys::rdma_destroy_id(self.id) };
+        if rc != 0 {
+            tracing::warn!("rdma_destroy_id failed: {}", last_err());
+        }
+    }
+}
+
+/// `ibv_qp_state` error value.
+pub(crate) const QPS_ERR: u32 = 6;

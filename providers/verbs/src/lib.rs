@@ -1,0 +1,136 @@
+//! The shared verbs core of the `ib`, `roce` and `iwarp` providers.
+//!
+//! Everything that talks to rdma-core (libibverbs and librdmacm, through `rdma-sys`) lives
+//! here, in one audited module ([`ffi`](crate) is private; every `unsafe` block carries a
+//! `// SAFETY:` line). The three providers are thin layers: each names its devices (a
+//! [`Flavor`]: transport and link layer), picks its port and address (RoCE: a RoCE v2 GID
+//! matching the address in use; InfiniBand: LID addressing), and declares a [`Profile`]:
+//! which operations the transport has and which contract rules the core must emulate.
+//!
+//! # What the core does
+//! * Discovery ([`device::probe`]): devices, ports, GID tables with their RoCE types (sysfs
+//!   `gid_attrs`), and capabilities from the device (`atomic_cap`, `max_sge`, `max_qp_wr`,
+//!   `max_qp_rd_atom`, MTU, link layer, transport; max inline by creating a probe QP).
+//! * A protection domain per [`VerbsDomain`], memory registration ([`VerbsDomain::register`]
+//!   semantics below), completion queues with a completion channel ([`VerbsCq`]), RC queue
+//!   pairs connected through rdma_cm with private data ([`VerbsEndpoint`],
+//!   [`VerbsListener`]), and a connection-manager thread per domain that turns peer
+//!   disconnects into `EndpointState::Disconnected` and flushes.
+//!
+//! # Memory registration and deregistration
+//! A region with remote rights is registered twice: a *local* registration (its `lkey`
+//! names the memory in our own requests) and a *remote* one (its `rkey` is the key in the
+//! region's [`RemoteDesc`](fabric_api::RemoteDesc)). Deregistration (dropping the
+//! `MemoryRegion`) deregisters the remote registration at once, so the key is dead at
+//! once, as the contract says; the local registration, and the memory, live until the last
+//! operation using the region completed (operations hold a `RegionRef`) or its queue pair
+//! was destroyed. So `ibv_dereg_mr` never runs under an in-flight local operation.
+//!
+//! # Completion queues never overrun
+//! Every hardware request is posted signaled; a request the application posted unsignaled
+//! has its successful completion swallowed by the provider. Each posted request reserves a
+//! slot of the application's queue (as the tcp provider does) and requests the provider
+//! adds for its own purposes reserve from a separate internal budget; the device queue is
+//! sized for both, so it cannot overrun, and a post that would exceed the application's
+//! capacity fails `QueueFull` (after reaping what the device already completed).
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(unsafe_code)]
+
+mod cm;
+mod cq;
+pub mod device;
+mod domain;
+mod ep;
+#[allow(unsafe_code)]
+mod ffi;
+pub mod gid;
+pub mod status;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::IpAddr;
+
+use fabric_api::Emulation;
+
+pub use cq::VerbsCq;
+pub use device::{DeviceFacts, LinkLayer, PortFacts, ProbeError, Transport};
+pub use domain::{provider_info, VerbsDomain, VerbsListener};
+pub use ep::VerbsEndpoint;
+pub use gid::{Gid, GidEntry, GidKind};
+
+/// What one provider built on the core is: which devices it takes and how it uses them.
+pub trait Flavor: Send + Sync + fmt::Debug + 'static {
+    /// Provider name (`roce`, `iwarp`, `ib`).
+    const NAME: &'static str;
+
+    /// `Ok` when the device belongs to this provider, else why not (in words).
+    fn accepts(dev: &DeviceFacts) -> Result<(), String>;
+
+    /// Picks the port, address and GID to use on an accepted device.
+    fn select(dev: &DeviceFacts, opts: &VerbsOptions) -> Result<Selection, String>;
+
+    /// How the core must behave on this transport.
+    fn profile(dev: &DeviceFacts) -> Profile;
+
+    /// The reason given when no device of this provider exists.
+    fn no_device() -> String;
+}
+
+/// Provider options (from configuration).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VerbsOptions {
+    /// Use this device only (`rxe0`); default: the first usable one.
+    pub device: Option<String>,
+    /// Use this local IP address (RoCE: the GID matching it; iWARP: the netdev holding it).
+    pub address: Option<IpAddr>,
+    /// IP type-of-service byte (DSCP << 2 | ECN) for RoCE v2 traffic; maps to the traffic
+    /// class of the GRH. `None`: the kernel default (0).
+    pub traffic_class: Option<u8>,
+}
+
+/// The port, address and GID a domain uses on its device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Selection {
+    /// Port number.
+    pub port: u8,
+    /// Local IP address connections are made from (rdma_cm source address).
+    pub addr: Option<IpAddr>,
+    /// The GID table entry in use, when the transport has GIDs.
+    pub gid: Option<GidEntry>,
+    /// What was chosen, in words, for the selection report (device, port, GID, version).
+    pub summary: String,
+}
+
+/// How the core must behave on a transport: what it has natively, what the core emulates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Profile {
+    /// Native 64-bit atomics (the device's `atomic_cap` is not NONE).
+    pub atomics: bool,
+    /// Immediate data on sends and writes.
+    pub immediate: bool,
+    /// Receiver-not-ready by credits: a send is held by the provider until the peer has
+    /// advertised a posted receive (iWARP, where a send without a receive is fatal).
+    pub credits: bool,
+    /// Delivery-complete sends and writes: each is followed by a small RDMA Read of the
+    /// peer and completes only when the read returns (iWARP completes them at transmit).
+    pub delivery_reads: bool,
+    /// Reads whose scatter list is longer than the device's read limit are split into one
+    /// read per entry.
+    pub split_reads: bool,
+    /// Read sinks need REMOTE_WRITE on the local registration (iWARP: the sink STag is
+    /// carried in the Read Request and the response is a tagged placement into it).
+    pub sink_remote_write: bool,
+    /// Largest private data the transport carries on connect and accept (before the core's
+    /// own header).
+    pub transport_private_data: u32,
+    /// RNR retry count for rdma_cm (7: retry forever; the contract's "sender waits").
+    pub rnr_retry: u8,
+    /// Transport retry count for rdma_cm.
+    pub retry: u8,
+    /// RNR NAK timer this side advertises (IB encoding; 12 = 0.64 ms), if settable.
+    pub min_rnr_timer: Option<u8>,
+    /// Operations declared unsupported, with the reason.
+    pub unsupported: BTreeMap<String, String>,
+    /// What the core emulates on this transport.
+    pub emulated: Vec<Emulation>,
+}
