@@ -18,6 +18,9 @@ use fabric_verbs::{DeviceFacts, Flavor, LinkLayer, Profile, Selection, Transport
 
 pub use fabric_verbs::VerbsOptions;
 
+/// The vendor id soft-RoCE (rxe) reports.
+pub const SOFT_ROCE_VENDOR_ID: u32 = 0x00ff_ffff;
+
 /// Provider name.
 pub const NAME: &str = "ib";
 
@@ -132,6 +135,8 @@ impl Flavor for Ib {
             rnr_retry: 7,
             retry: 7,
             min_rnr_timer: Some(12),
+            infer_terminate: false,
+            length_as_malformed_wqe: dev.vendor_id == SOFT_ROCE_VENDOR_ID,
             unsupported,
             emulated: Vec::new(),
         }

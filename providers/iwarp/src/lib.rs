@@ -172,6 +172,8 @@ impl Flavor for Iwarp {
             rnr_retry: 7,
             retry: 7,
             min_rnr_timer: None,
+            infer_terminate: true,
+            length_as_malformed_wqe: false,
             unsupported,
             emulated,
         }
@@ -211,6 +213,7 @@ mod tests {
             transport: Transport::Iwarp,
             node_guid: 0,
             fw_ver: String::new(),
+            vendor_id: 0x626d74,
             max_mr_size: 1 << 40,
             max_qp_wr: 32768,
             max_sge: 6,

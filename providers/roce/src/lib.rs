@@ -26,6 +26,9 @@ use fabric_verbs::{
 
 pub use fabric_verbs::VerbsOptions;
 
+/// The vendor id soft-RoCE (rxe) reports.
+pub const SOFT_ROCE_VENDOR_ID: u32 = 0x00ff_ffff;
+
 /// Provider name.
 pub const NAME: &str = "roce";
 
@@ -190,6 +193,8 @@ impl Flavor for Roce {
             rnr_retry: 7,
             retry: 7,
             min_rnr_timer: Some(12),
+            infer_terminate: false,
+            length_as_malformed_wqe: dev.vendor_id == SOFT_ROCE_VENDOR_ID,
             unsupported,
             emulated: Vec::new(),
         }

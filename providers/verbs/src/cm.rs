@@ -117,6 +117,24 @@ impl Cm {
             .expect("cm registry poisoned")
             .remove(&key);
     }
+
+    /// Destroys an identifier of a failed connection setup in the background: on iWARP
+    /// `rdma_destroy_id` of a connect in progress waits for the TCP connect to give up
+    /// (minutes), and the caller must not. The thread keeps the event channel alive.
+    pub fn reap(&self, id: CmId) {
+        self.unregister(id.key());
+        id.destroy_qp();
+        let keep = self.shared.clone();
+        let r = std::thread::Builder::new()
+            .name("fabric-cm-reap".into())
+            .spawn(move || {
+                drop(id);
+                drop(keep);
+            });
+        if let Err(e) = r {
+            tracing::warn!("cannot start a thread to destroy a connection identifier: {e}");
+        }
+    }
 }
 
 impl Drop for Cm {

@@ -142,6 +142,8 @@ pub struct DeviceFacts {
     pub node_guid: u64,
     /// Firmware version text.
     pub fw_ver: String,
+    /// IEEE vendor id (`0xffffff` for soft-RoCE rxe).
+    pub vendor_id: u32,
     /// Largest registration.
     pub max_mr_size: u64,
     /// Deepest queue pair queue.
@@ -174,6 +176,7 @@ impl DeviceFacts {
     pub fn details(&self) -> BTreeMap<String, String> {
         let mut d = BTreeMap::new();
         d.insert("node guid".into(), format!("{:016x}", self.node_guid));
+        d.insert("vendor id".into(), format!("{:#x}", self.vendor_id));
         if !self.fw_ver.is_empty() {
             d.insert("firmware".into(), self.fw_ver.clone());
         }
@@ -336,6 +339,7 @@ fn facts(r: ffi::RawDevice) -> DeviceFacts {
         transport,
         node_guid: r.node_guid,
         fw_ver: r.fw_ver,
+        vendor_id: r.vendor_id,
         max_mr_size: r.max_mr_size,
         max_qp_wr: pos(r.max_qp_wr),
         max_sge: if r.probe_sge > 0 {

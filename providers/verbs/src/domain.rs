@@ -579,6 +579,20 @@ fn expect(
     }
 }
 
+/// Reaps an identifier when connection setup fails (see [`Cm::reap`]).
+struct IdGuard<'a> {
+    cm: &'a Cm,
+    id: Option<CmId>,
+}
+
+impl Drop for IdGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.cm.reap(id);
+        }
+    }
+}
+
 /// Unregisters an identifier when setup fails.
 struct RegGuard<'a> {
     cm: &'a Cm,
@@ -721,13 +735,12 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
                 .max(Duration::from_millis(1))
         };
         let mb = Arc::new(Mailbox::default());
-        let mut id = d.cm.create_id()?;
-        d.cm.register(id.key(), Target::Mailbox(mb.clone()));
-        let mut guard = RegGuard {
+        let mut guard = IdGuard {
             cm: &d.cm,
-            key: id.key(),
-            armed: true,
+            id: Some(d.cm.create_id()?),
         };
+        let id = guard.id.as_mut().expect("just created");
+        d.cm.register(id.key(), Target::Mailbox(mb.clone()));
         if let Some(tos) = d.opts.traffic_class {
             id.set_tos(tos)
                 .map_err(|e| Error::new(ErrorKind::Config, format!("traffic class {tos}: {e}")))?;
@@ -759,7 +772,7 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
             "route resolution",
             cfg.timeout,
         )?;
-        let hw_sq_cap = self.make_qp(&mut id, cfg)?;
+        let hw_sq_cap = self.make_qp(id, cfg)?;
         let credit = self.credit_area()?;
         let private = d.frame(cfg.private_data, credit.as_ref());
         let rd = d.rd_atom();
@@ -793,7 +806,7 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
                 return Err(Error::new(ErrorKind::Protocol, "peer sent no credit area"))
             }
         };
-        guard.armed = false;
+        let id = guard.id.take().expect("still held");
         let ep = self.endpoint(id, cfg, peer_private, credit, hw_sq_cap);
         self.go_live(&ep, &mb);
         Ok(ep)
@@ -866,9 +879,11 @@ impl<F: Flavor> spi::Listener for VerbsListener<F> {
                     return Ok(ep);
                 }
                 Err(e) => {
-                    d.cm.unregister(id.key());
                     if e.kind() == ErrorKind::InvalidArgument {
                         id.reject();
+                    }
+                    d.cm.reap(id);
+                    if e.kind() == ErrorKind::InvalidArgument {
                         return Err(e);
                     }
                     tracing::warn!("accepting a connection failed: {e}");

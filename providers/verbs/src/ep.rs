@@ -169,6 +169,10 @@ struct Ledger {
     credit_dirty: bool,
     /// Registered with the domain's RNR thread.
     blocked: bool,
+    /// Closed by us (not by the peer, not by an error).
+    closed_locally: bool,
+    /// The cause of the queue pair's death was reported (or needs no inference).
+    attributed: bool,
 }
 
 /// The shared core of an endpoint.
@@ -273,6 +277,8 @@ impl EpCore {
                 sends_hw: 0,
                 credit_dirty: false,
                 blocked: false,
+                closed_locally: false,
+                attributed: false,
             }),
         });
         core.send_cq.lock().qps.insert(qpn, core.clone());
@@ -816,10 +822,29 @@ impl EpCore {
     pub fn on_completion(&self, cq: &CqInner, cst: &mut CqState, w: &Wc) {
         let mut l = self.lock();
         let failed = w.status != wc::SUCCESS;
-        let err = failed.then(|| {
+        let mut err = failed.then(|| {
             let (k, c) = status::error_of(w.status);
             (k, Some(c))
         });
+        if self.dom.profile.length_as_malformed_wqe {
+            let is_recv = w.wr_id & RECV_BIT != 0;
+            let is_send = !is_recv
+                && l.sq
+                    .iter()
+                    .find(|r| r.seq == w.wr_id)
+                    .is_some_and(|r| r.is_send);
+            if is_recv && w.status == wc::LOC_QP_OP_ERR {
+                err = Some((
+                    ErrorKind::LocalLength,
+                    Some(ProviderCode::WcStatus(w.status)),
+                ));
+            } else if is_send && w.status == wc::REM_OP_ERR {
+                err = Some((
+                    ErrorKind::RemoteInvalidRequest,
+                    Some(ProviderCode::WcStatus(w.status)),
+                ));
+            }
+        }
         if w.status != wc::SUCCESS
             && w.status != wc::WR_FLUSH_ERR
             && l.status == EndpointState::Connected
@@ -881,9 +906,17 @@ impl EpCore {
             {
                 l.group_error = err;
             }
+            if w.status != wc::SUCCESS && w.status != wc::WR_FLUSH_ERR {
+                l.attributed = true;
+            }
             if let Some(u) = r.user {
                 l.user_sq -= 1;
-                let e = l.group_error.take().or(err);
+                let mut e = l.group_error.take().or(err);
+                if w.status == wc::WR_FLUSH_ERR && e.is_some_and(|e| e.0 == ErrorKind::Flushed) {
+                    if let Some(k) = self.infer_cause(&mut l, u.opcode) {
+                        e = Some((k, Some(ProviderCode::WcStatus(w.status))));
+                    }
+                }
                 self.push_user(cq, cst, u, e);
             }
         }
@@ -895,6 +928,25 @@ impl EpCore {
                 self.flush_unposted(&mut l, cst);
             }
         }
+    }
+
+    /// On devices that hide why a connection died: the kind to report for the first
+    /// request flushed by a death that was neither our close nor the peer's.
+    fn infer_cause(&self, l: &mut Ledger, op: Opcode) -> Option<ErrorKind> {
+        if !self.dom.profile.infer_terminate || l.attributed || l.closed_locally {
+            return None;
+        }
+        if self.credit.as_ref().is_some_and(CreditArea::peer_closed) {
+            return None;
+        }
+        l.attributed = true;
+        if l.status == EndpointState::Connected {
+            l.status = EndpointState::Error;
+        }
+        Some(match op {
+            Opcode::Send => ErrorKind::RemoteInvalidRequest,
+            _ => ErrorKind::RemoteAccess,
+        })
     }
 
     fn push_user(
@@ -1011,12 +1063,12 @@ impl EpCore {
             };
             tracing::debug!(qp = self.qpn, state = ?l.status, "peer disconnected");
         }
-        let torn = l.torn_down;
-        drop(l);
-        if !torn {
-            // InfiniBand transports: this moves our queue pair to ERR, flushing it.
+        if !l.torn_down {
+            // InfiniBand transports: this moves our queue pair to ERR, flushing it. Under
+            // the ledger lock: teardown destroys the queue pair under it too.
             let _ = self.id.disconnect();
         }
+        drop(l);
         self.flush_dead();
     }
 
@@ -1024,6 +1076,7 @@ impl EpCore {
     pub fn close(&self) {
         let mut l = self.lock();
         let was = l.status == EndpointState::Connected && !l.torn_down;
+        l.closed_locally = true;
         if l.status == EndpointState::Connected {
             l.status = EndpointState::Disconnected;
         }
@@ -1053,7 +1106,10 @@ impl EpCore {
             }
         }
         if was {
-            let _ = self.id.disconnect();
+            let l = self.lock();
+            if !l.torn_down {
+                let _ = self.id.disconnect();
+            }
         }
         self.flush_dead();
     }

@@ -129,6 +129,22 @@ pub struct Profile {
     pub retry: u8,
     /// RNR NAK timer this side advertises (IB encoding; 12 = 0.64 ms), if settable.
     pub min_rnr_timer: Option<u8>,
+    /// The device reports a receive too short for its message as a malformed WQE
+    /// (`IBV_WC_LOC_QP_OP_ERR` at the receiver, `IBV_WC_REM_OP_ERR` at the sender) instead
+    /// of `IBV_WC_LOC_LEN_ERR` / `IBV_WC_REM_INV_REQ_ERR`: soft-RoCE in Linux 6.1
+    /// (`rxe_resp.c`: `copy_data` fails with `-EINVAL` when the payload exceeds the
+    /// receive, `send_data_in` turns that into `RESPST_ERR_MALFORMED_WQE`). The core's
+    /// receives are well-formed by construction (every entry names a live registration of
+    /// the domain), so on such a device it reports those statuses of receives and sends as
+    /// `LocalLength` and `RemoteInvalidRequest`, keeping the raw status.
+    pub length_as_malformed_wqe: bool,
+    /// The device does not tell why a connection died (siw reports a received Terminate
+    /// only in the kernel log and flushes everything): when the queue pair dies without
+    /// the peer's close mark, the oldest outstanding request is reported with the error
+    /// the peer's Terminate most likely carried (`RemoteAccess` for RDMA Write and Read,
+    /// `RemoteInvalidRequest` for a Send), keeping the raw `IBV_WC_WR_FLUSH_ERR`; the rest
+    /// complete `Flushed`.
+    pub infer_terminate: bool,
     /// Operations declared unsupported, with the reason.
     pub unsupported: BTreeMap<String, String>,
     /// What the core emulates on this transport.
