@@ -99,9 +99,11 @@ fn provider_info(name: &str) -> ProviderInfo {
         .expect("known provider")
 }
 
+/// Opens a domain on `name` with the provider options of the environment's configuration
+/// (`FABRIC_CONFIG`), so the suite tests what applications get.
 fn open_domain(name: &str) -> Result<AnyDomain, String> {
-    Selector::new()
-        .providers(name)
+    Selector::from_env()
+        .and_then(|s| s.providers(name))
         .and_then(|s| s.open())
         .map(|(d, _)| d)
         .map_err(|e| format!("opening a {name} domain: {e}"))

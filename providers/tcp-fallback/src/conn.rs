@@ -426,23 +426,7 @@ impl Conn {
                 }
                 (wait_write, wait_msg, byte_len, resp_kind, read_like) =
                     (0, 0, total as u64, R::Read(sges), true);
-                msgs.push(OutMsg::control(
-                    Kind::Untagged {
-                        opcode: opcode::READ_REQUEST,
-                        ulp: 0,
-                        qn: qn::READ,
-                        msn: 0,
-                    },
-                    ReadRequest {
-                        sink_stag: 0,
-                        sink_to: 0,
-                        size: total as u32,
-                        src_stag: remote.key,
-                        src_to: remote.addr,
-                    }
-                    .encode()
-                    .to_vec(),
-                ));
+                msgs.push(read_request(total as u32, remote.key, remote.addr));
             }
             SendOp::Atomic { result, remote, op } => {
                 self.need_feature(features::ATOMICS, "64-bit atomics")?;
@@ -484,6 +468,18 @@ impl Conn {
                     (0, 0, 8, R::Atomic(b, off), true);
             }
         }
+        // A foreign peer sends no delivery acks. Base RDMAP still orders a Read Request
+        // after the Sends and Writes before it, so a zero-length Read right behind them comes
+        // back only once they were placed (or after the Terminate that refused them): the
+        // request completes with that response. siw answers zero-length Reads without
+        // checking any STag (siw_qp_rx.c, siw_init_rresp: no SGE when the length is 0).
+        let (resp_kind, read_like) = match resp_kind {
+            R::Acks if !acks => {
+                msgs.push(read_request(0, 0, 0));
+                (R::Read(Vec::new()), true)
+            }
+            other => (other, read_like),
+        };
 
         let mut st = self.lock();
         Self::check_connected(&st)?;
@@ -506,7 +502,8 @@ impl Conn {
                     }
                 };
                 st.read_sinks.insert(sink, sges);
-                let body = match &mut msgs[0].payload {
+                // The Read Request is the request's last message.
+                let body = match &mut msgs.last_mut().expect("a read request").payload {
                     Payload::Inline(v) => v,
                     Payload::Memory(_) => unreachable!("read requests are inline"),
                 };
@@ -1460,6 +1457,27 @@ impl Conn {
         self.drain_sq(st);
         Ok(())
     }
+}
+
+/// A Read Request of `size` bytes at (`stag`, `to`); the sink STag is filled in at post time.
+fn read_request(size: u32, stag: u32, to: u64) -> OutMsg {
+    OutMsg::control(
+        Kind::Untagged {
+            opcode: opcode::READ_REQUEST,
+            ulp: 0,
+            qn: qn::READ,
+            msn: 0,
+        },
+        ReadRequest {
+            sink_stag: 0,
+            sink_to: 0,
+            size,
+            src_stag: stag,
+            src_to: to,
+        }
+        .encode()
+        .to_vec(),
+    )
 }
 
 /// Largest message the posting thread encodes and sends itself.

@@ -72,6 +72,7 @@ pub(crate) fn initiate(
         crc: opts.crc,
         reject: false,
         enhanced: true,
+        ext_offer: opts.extensions,
         revision: 2,
         private_data: Setup {
             enhanced: Some(Enhanced {
@@ -80,10 +81,7 @@ pub(crate) fn initiate(
                 peer_to_peer: false,
                 rtr: RtrKinds::default(),
             }),
-            ext: opts.extensions.then_some(ExtBlock {
-                version: ExtBlock::VERSION,
-                features: ours,
-            }),
+            ext: None,
             user: private_data.to_vec(),
         }
         .encode(),
@@ -163,6 +161,7 @@ pub(crate) fn respond(
             crc: false,
             reject: true,
             enhanced: false,
+            ext_offer: false,
             revision,
             private_data: why.as_bytes().to_vec(),
         };
@@ -199,7 +198,7 @@ pub(crate) fn respond(
         }
     });
     let crc = req.crc || opts.crc;
-    let ext = if setup.ext.is_some() && opts.extensions {
+    let ext = if req.ext_offer && opts.extensions {
         Some(ExtBlock {
             version: ExtBlock::VERSION,
             features: ours,
@@ -214,6 +213,7 @@ pub(crate) fn respond(
         crc,
         reject: false,
         enhanced: enhanced.is_some(),
+        ext_offer: false,
         revision,
         private_data: Setup {
             enhanced,
@@ -224,7 +224,8 @@ pub(crate) fn respond(
     };
     sock.write_all(&rep.encode())?;
     Ok(Negotiated {
-        features: setup.ext.map(|x| x.features & ours).unwrap_or(0),
+        // An initiator offering version 1 speaks every feature: ours are what both use.
+        features: ext.map_or(0, |x| x.features),
         crc,
         ord: our_ord(setup.enhanced),
         revision,

@@ -55,6 +55,7 @@ fn raw_connect(
         crc,
         reject: false,
         enhanced: revision >= 2,
+        ext_offer: false,
         revision,
         private_data: setup.encode(),
     };
@@ -216,7 +217,9 @@ fn foreign_peer_gets_base_rdmap_and_no_extensions() {
     );
     assert_eq!(payload, b"3456");
 
-    // And a send from our side arrives as plain RDMAP Send, completing without an ack.
+    // A send from our side arrives as plain RDMAP Send followed by a zero-length Read
+    // Request; it completes only when the Read Response says everything before it was
+    // placed (no acks from a foreign peer).
     let src = srv
         .domain
         .register(Arc::new(Buffer::from_slice(b"bye")), Access::empty())
@@ -225,6 +228,35 @@ fn foreign_peer_gets_base_rdmap_and_no_extensions() {
     let (h, payload) = read_fpdu(&mut raw);
     assert_eq!(h, send(1, true, 0));
     assert_eq!(payload, b"bye");
+    let (h, payload) = read_fpdu(&mut raw);
+    assert_eq!(
+        h,
+        Header::Untagged {
+            last: true,
+            opcode: opcode::READ_REQUEST,
+            ulp: 0,
+            qn: qn::READ,
+            msn: 1,
+            mo: 0
+        }
+    );
+    let flush = ReadRequest::decode(&payload).unwrap();
+    assert_eq!((flush.size, flush.src_stag, flush.src_to), (0, 0, 0));
+    assert!(
+        !srv.cq.wait(Duration::from_millis(200)).unwrap(),
+        "send completed before the target confirmed it"
+    );
+    raw.write_all(&fpdu(
+        Header::Tagged {
+            last: true,
+            opcode: opcode::READ_RESPONSE,
+            stag: flush.sink_stag,
+            to: flush.sink_to,
+        },
+        &[],
+        false,
+    ))
+    .unwrap();
     assert!(srv.cq.wait(Duration::from_secs(5)).unwrap());
     out.clear();
     srv.cq.poll(&mut out, 4).unwrap();
@@ -232,6 +264,42 @@ fn foreign_peer_gets_base_rdmap_and_no_extensions() {
         (out[0].context, out[0].opcode, out[0].status),
         (9, Opcode::Send, Status::Success)
     );
+}
+
+#[test]
+fn foreign_terminate_fails_the_send_it_refused() {
+    let (srv, ep, mut raw) = connected_raw(false);
+    let src = srv
+        .domain
+        .register(Arc::new(Buffer::new(64)), Access::empty())
+        .unwrap();
+    ep.post_send(&SendWr::send(3, &[src.all()])).unwrap();
+    let _send = read_fpdu(&mut raw);
+    let _flush = read_fpdu(&mut raw);
+    // The foreign target had no receive big enough: DDP "message too long".
+    let term = fabric_tcp::wire::ddp::term::MSG_TOO_LONG;
+    raw.write_all(&fpdu(
+        Header::Untagged {
+            last: true,
+            opcode: opcode::TERMINATE,
+            ulp: 0,
+            qn: qn::TERMINATE,
+            msn: 1,
+            mo: 0,
+        },
+        &term.encode(),
+        false,
+    ))
+    .unwrap();
+    assert!(srv.cq.wait(Duration::from_secs(5)).unwrap());
+    let mut out = Vec::new();
+    srv.cq.poll(&mut out, 4).unwrap();
+    assert_eq!(
+        (out[0].context, out[0].status),
+        (3, Status::Error(ErrorKind::RemoteInvalidRequest))
+    );
+    assert_eq!(out[0].provider_code, Some(term.code()));
+    wait_state(&ep, EndpointState::Error);
 }
 
 #[test]

@@ -6,7 +6,9 @@
 //!  0               16      18       20
 //!  | key (16 bytes) | bits | pd_len | private data (pd_len bytes)
 //!  bits: M(0x8000) markers, C(0x4000) CRC, R(0x2000) reject,
-//!        E(0x1000) enhanced connection establishment, low 8 bits revision
+//!        E(0x1000) enhanced connection establishment, X(0x0100) this framework's
+//!        extensions offered (a reserved bit: foreign peers send 0 and ignore it),
+//!        low 8 bits revision
 //! ```
 //!
 //! With revision 2 and the E bit, the private data starts with IRD and ORD (16 bits each,
@@ -17,8 +19,10 @@
 //! IRD bit 14 offers a zero-length Send RTR, ORD bit 15 a zero-length Write RTR, ORD bit 14
 //! a zero-length Read RTR.
 //!
-//! Between two peers of this framework a further block follows (see [`ExtBlock`]); the
-//! application's private data comes last.
+//! A responder of this framework answers a request with the X bit with a further block in
+//! its reply (see [`ExtBlock`]); the application's private data comes last. A request never
+//! carries the block, so a foreign responder's application sees exactly the private data
+//! ours sent, and a foreign initiator (which never sets X) gets a reply without it.
 //!
 //! After setup the stream carries FPDUs: a 16-bit ULPDU length, the ULPDU (DDP segment),
 //! 0-3 pad bytes to a 4-byte boundary, and a 4-byte CRC32c over everything before it (sent
@@ -39,6 +43,7 @@ const FLAG_MARKERS: u16 = 0x8000;
 const FLAG_CRC: u16 = 0x4000;
 const FLAG_REJECT: u16 = 0x2000;
 const FLAG_ENHANCED: u16 = 0x1000;
+const FLAG_EXTENSIONS: u16 = 0x0100;
 const MASK_REVISION: u16 = 0x00ff;
 
 /// IRD/ORD value mask (14 bits).
@@ -61,6 +66,9 @@ pub struct MpaFrame {
     pub reject: bool,
     /// E: the private data starts with the RFC 6581 IRD/ORD block.
     pub enhanced: bool,
+    /// X (request): this framework's extensions are offered. A reply's X bit means
+    /// nothing (siw echoes the request's bits); only its [`ExtBlock`] counts.
+    pub ext_offer: bool,
     /// MPA revision (1 or 2).
     pub revision: u8,
     /// Private data, including the RFC 6581 and extension prefixes.
@@ -84,6 +92,9 @@ impl MpaFrame {
         }
         if self.enhanced {
             bits |= FLAG_ENHANCED;
+        }
+        if self.ext_offer {
+            bits |= FLAG_EXTENSIONS;
         }
         out.extend_from_slice(&bits.to_be_bytes());
         out.extend_from_slice(&(self.private_data.len() as u16).to_be_bytes());
@@ -127,6 +138,7 @@ impl MpaFrame {
                 crc: bits & FLAG_CRC != 0,
                 reject: bits & FLAG_REJECT != 0,
                 enhanced: bits & FLAG_ENHANCED != 0,
+                ext_offer: bits & FLAG_EXTENSIONS != 0,
                 revision,
                 private_data: Vec::new(),
             },
@@ -224,16 +236,16 @@ pub mod features {
     pub const ALL: u8 = ATOMICS | IMMEDIATE | ACKS;
 }
 
-/// Our extension block, sent after IRD/ORD in the private data of requests and replies.
+/// Our extension block, sent after IRD/ORD in the private data of a reply to a request
+/// that offered extensions (X bit).
 ///
 /// ```text
 /// | "RFAB" | version (1) | features (bit 0 atomics, 1 immediate, 2 acks) | reserved (2) |
 /// ```
 ///
-/// A peer that is not ours does not send it, and then no extension is used. A foreign
-/// responder hands these 8 bytes to its application as the start of the private data; pass
-/// `extensions: false` in the connect options to leave them out when the peer is known to
-/// be foreign.
+/// The features are the responder's; an initiator offering version 1 speaks all of them, so
+/// the reply's features are what both use. No block in the reply: a foreign responder, no
+/// extension is used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExtBlock {
     /// Extension protocol version (1).
@@ -363,16 +375,17 @@ mod tests {
             crc: true,
             reject: false,
             enhanced: true,
+            ext_offer: true,
             revision: 2,
             private_data: setup.encode(),
         };
         let bytes = f.encode();
         assert_eq!(&bytes[..16], KEY_REQ);
-        // C and E set, revision 2: what siw sends with CRC required.
-        assert_eq!(&bytes[16..18], &[0x50, 0x02]);
+        // C and E set (what siw sends with CRC required), plus our X bit; revision 2.
+        assert_eq!(&bytes[16..18], &[0x51, 0x02]);
         let (mut h, pd_len) =
             MpaFrame::decode_header(bytes[..20].try_into().unwrap(), false).unwrap();
-        assert!(h.crc && !h.markers && h.enhanced && h.revision == 2);
+        assert!(h.crc && !h.markers && h.enhanced && h.ext_offer && h.revision == 2);
         h.private_data = bytes[20..20 + pd_len].to_vec();
         assert_eq!(Setup::of(&h).unwrap(), setup);
         // Without E the same bytes are all application data.
