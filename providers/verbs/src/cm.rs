@@ -118,6 +118,26 @@ impl Cm {
             .remove(&key);
     }
 
+    /// Something that keeps the event channel alive (for helper threads).
+    pub fn keep_alive(&self) -> Arc<dyn std::any::Any + Send + Sync> {
+        self.shared.clone()
+    }
+
+    /// Like [`Cm::reap`] for an identifier a helper thread may still hold: whoever drops
+    /// the last reference destroys it, never the caller's thread.
+    pub fn reap_shared(&self, id: Arc<CmId>) {
+        let keep = self.shared.clone();
+        let r = std::thread::Builder::new()
+            .name("fabric-cm-reap".into())
+            .spawn(move || {
+                drop(id);
+                drop(keep);
+            });
+        if let Err(e) = r {
+            tracing::warn!("cannot start a thread to destroy a connection identifier: {e}");
+        }
+    }
+
     /// Destroys an identifier of a failed connection setup in the background: on iWARP
     /// `rdma_destroy_id` of a connect in progress waits for the TCP connect to give up
     /// (minutes), and the caller must not. The thread keeps the event channel alive.

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::marker::PhantomData;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fabric_api::spi::{self, EndpointConfig};
@@ -20,6 +20,9 @@ use crate::device::{self, DeviceFacts};
 use crate::ep::{CreditArea, EpCore, EpParts, VerbsEndpoint};
 use crate::ffi::{self, access, cm_event, CmEvent, CmId, ConnParam, Ctx, HwCq, Mr, Pd, QpCaps};
 use crate::{Flavor, Profile, Selection, VerbsOptions};
+
+/// The peer's credit area: address and key.
+type PeerArea = (u64, u32);
 
 /// First byte of the core's private-data header.
 const PD_MAGIC: u8 = 0xfb;
@@ -188,7 +191,7 @@ fn device_info(d: &DeviceFacts, sel: &Result<Selection, String>) -> DeviceInfo {
     }
 }
 
-fn empty_caps<F: Flavor>() -> Capabilities {
+fn empty_caps() -> Capabilities {
     Capabilities {
         ops: OpSet::empty(),
         limits: Limits {
@@ -229,7 +232,7 @@ pub fn provider_info<F: Flavor>(opts: &VerbsOptions) -> ProviderInfo {
     let usable = found.devices.iter().find(|(_, s)| s.is_ok());
     let caps = match usable {
         Some((d, Ok(s))) => caps_of(d, &F::profile(d), s.port),
-        _ => empty_caps::<F>(),
+        _ => empty_caps(),
     };
     ProviderInfo {
         name: F::NAME.into(),
@@ -326,7 +329,7 @@ impl DomainInner {
         v
     }
 
-    fn unframe(&self, raw: &[u8]) -> Result<(Vec<u8>, Option<(u64, u32)>)> {
+    fn unframe(&self, raw: &[u8]) -> Result<(Vec<u8>, Option<PeerArea>)> {
         let bad = |what: &str| {
             Error::new(
                 ErrorKind::Protocol,
@@ -673,7 +676,7 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
         } else {
             0
         };
-        let hw = HwCq::new(d.ctx, capacity + internal).map_err(|e| Error::from(e))?;
+        let hw = HwCq::new(d.ctx, capacity + internal).map_err(Error::from)?;
         Ok(VerbsCq::new(CqInner::new(hw, capacity, internal)?))
     }
 
@@ -776,22 +779,85 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
         let credit = self.credit_area()?;
         let private = d.frame(cfg.private_data, credit.as_ref());
         let rd = d.rd_atom();
-        id.connect(&ConnParam {
-            private_data: &private,
-            responder_resources: rd,
-            initiator_depth: rd,
-            retry_count: d.profile.retry,
-            rnr_retry_count: d.profile.rnr_retry,
-        })
-        .map_err(|e| Error::from(e))?;
-        let ev = expect(
-            &mb,
-            deadline,
-            cm_event::RDMA_CM_EVENT_ESTABLISHED,
-            addr,
-            "connection",
-            cfg.timeout,
-        )?;
+        // rdma_connect blocks in the kernel on iWARP (siw connects its TCP socket
+        // synchronously, for minutes when nobody answers): run it on a helper thread that
+        // keeps everything the queue pair uses alive, and wait here with the deadline.
+        let shared = Arc::new(guard.id.take().expect("identifier held"));
+        let (tx, rx) = mpsc::channel();
+        {
+            let id = shared.clone();
+            let keep = (d.cm.keep_alive(), d.pd.clone(), cfg.send_cq.inner.clone(), cfg.recv_cq.inner.clone());
+            let private = private.clone();
+            let (retry, rnr) = (d.profile.retry, d.profile.rnr_retry);
+            std::thread::Builder::new()
+                .name("fabric-cm-connect".into())
+                .spawn(move || {
+                    let r = id.connect(&ConnParam {
+                        private_data: &private,
+                        responder_resources: rd,
+                        initiator_depth: rd,
+                        retry_count: retry,
+                        rnr_retry_count: rnr,
+                    });
+                    let _ = tx.send(r);
+                    drop(id);
+                    drop(keep);
+                })?;
+        }
+        let fail = |e: Error| {
+            d.cm.unregister(shared.key());
+            d.cm.reap_shared(shared.clone());
+            Err(e)
+        };
+        let ev = loop {
+            if let Ok(Err(e)) = rx.try_recv() {
+                let kind = match e.raw_os_error() {
+                    Some(libc::ECONNREFUSED) | Some(libc::ECONNRESET) => ErrorKind::ConnectionRefused,
+                    Some(libc::ETIMEDOUT) | Some(libc::ENETUNREACH) | Some(libc::EHOSTUNREACH) => ErrorKind::TimedOut,
+                    _ => Error::from(std::io::Error::from_raw_os_error(e.raw_os_error().unwrap_or(0))).kind(),
+                };
+                let msg = match kind {
+                    ErrorKind::ConnectionRefused => format!("nobody listens at {addr} ({e})"),
+                    ErrorKind::TimedOut => format!("{addr} is unreachable ({e})"),
+                    _ => format!("rdma_connect to {addr}: {e}"),
+                };
+                return fail(Error::new(kind, msg).with_code(ProviderCode::Errno(e.raw_os_error().unwrap_or(0))));
+            }
+            let step = (Instant::now() + Duration::from_millis(20)).min(deadline);
+            match mb.wait(step) {
+                Some(ev) if ev.kind == cm_event::RDMA_CM_EVENT_ESTABLISHED => break ev,
+                Some(ev) if ev.kind == cm_event::RDMA_CM_EVENT_TIMEWAIT_EXIT || ev.kind == cm_event::RDMA_CM_EVENT_ADDR_CHANGE => {}
+                Some(ev) => return fail(event_error(addr, "connection", &ev)),
+                None if Instant::now() >= deadline => {
+                    return fail(Error::new(
+                        ErrorKind::TimedOut,
+                        format!("connection with {addr}: no answer within {:?}", cfg.timeout),
+                    ))
+                }
+                None => {}
+            }
+        };
+        // ESTABLISHED came after rdma_connect returned: the helper is done with the id.
+        let _ = rx.recv_timeout(Duration::from_secs(5));
+        let mut id = None;
+        let mut shared = shared;
+        for _ in 0..500 {
+            match Arc::try_unwrap(shared) {
+                Ok(i) => {
+                    id = Some(i);
+                    break;
+                }
+                Err(back) => {
+                    shared = back;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+        let Some(id) = id else {
+            return Err(Error::new(ErrorKind::Io, "connection helper did not release the identifier"));
+        };
+        let mut guard = IdGuard { cm: &d.cm, id: Some(id) };
+        let id = guard.id.as_mut().expect("just set");
         let (peer_private, peer_credit) = match d.unframe(&ev.private_data) {
             Ok(x) => x,
             Err(e) => {

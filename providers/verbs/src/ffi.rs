@@ -8,7 +8,6 @@
 //! * memory named by a posted work request stays alive until the request completed or its
 //!   queue pair was destroyed: the callers keep the `Arc<Buffer>` (through `RegionRef`) in
 //!   their ledger for exactly that long (see `ep.rs`).
-#![allow(unsafe_code)]
 
 use std::ffi::CStr;
 use std::io;
@@ -128,7 +127,7 @@ fn probe_ctx(ctx: *mut sys::ibv_context, name: String) -> io::Result<RawDevice> 
     // SAFETY: `ctx` is open; `attr` is a valid out-pointer.
     check(unsafe { sys::ibv_query_device(ctx, &mut attr) })?;
     // SAFETY: an open context points at its device.
-    let transport = unsafe { (*(*ctx).device).transport_type } as i32;
+    let transport = unsafe { (*(*ctx).device).transport_type };
     let mut ports = Vec::new();
     for p in 1..=attr.phys_port_cnt {
         // SAFETY: all-zero is a valid value of this plain C struct.
