@@ -17,7 +17,19 @@
 //! * **Delivery-complete sends and writes**: iWARP completes them at transmit. Each is
 //!   followed by an 8-byte RDMA Read of the peer's credit area; the application's
 //!   completion is the read's, so it means the bytes were placed at the target (RDMAP
-//!   processes a stream in order).
+//!   processes a stream in order). Each send and write is fenced behind earlier reads, so
+//!   at most one of them is unconfirmed at a time: throughput costs a round trip per send
+//!   or write, and when the peer terminates the connection the first unconfirmed request
+//!   is the one it refused.
+//! * **Why a connection died**: siw logs a received Terminate in the kernel log only and
+//!   flushes everything. When the connection dies without the peer's close mark, the
+//!   first unconfirmed request completes with the error the Terminate most likely carried
+//!   (`RemoteAccess` for writes and reads, `RemoteInvalidRequest` for sends), the raw
+//!   status (`IBV_WC_WR_FLUSH_ERR`) kept beside it; the rest complete `Flushed`. A peer
+//!   that died without a Terminate is reported the same way.
+//! * **siw does not check REMOTE_READ** (Linux 6.1 `siw_qp_tx.c`: Read Responses are
+//!   built with `siw_check_sgl_tx(pd, wqe, 0)`, no permission): every STag with any
+//!   remote right is readable by the peer on siw.
 //! * **Scatter reads**: an RDMA Read has one sink (`max_sge_rd` 1 on siw); a read into a
 //!   longer scatter list is split into one read per entry.
 //! * **Read sinks need remote write**: the Read Request names the sink by STag and the
@@ -155,7 +167,7 @@ impl Flavor for Iwarp {
         };
         let mut emulated = vec![
             emu("receiver not ready", OpSet::SEND, "credit-based flow control: the receiver RDMA-writes its posted-receive count into the sender's credit area; sends wait in the provider for credits (retried on a timer like an RNR retry)"),
-            emu("delivery-complete sends and writes", OpSet::SEND | OpSet::WRITE, "each is followed by an 8-byte RDMA Read of the peer; the completion is the read's"),
+            emu("delivery-complete sends and writes", OpSet::SEND | OpSet::WRITE, "each is fenced behind earlier reads and followed by an 8-byte RDMA Read of the peer; the completion is the read's"),
             emu("read sinks", OpSet::READ, "regions with LOCAL_WRITE are registered locally with REMOTE_WRITE too (iWARP read responses are tagged placements)"),
         ];
         if split {

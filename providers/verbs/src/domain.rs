@@ -786,7 +786,12 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
         let (tx, rx) = mpsc::channel();
         {
             let id = shared.clone();
-            let keep = (d.cm.keep_alive(), d.pd.clone(), cfg.send_cq.inner.clone(), cfg.recv_cq.inner.clone());
+            let keep = (
+                d.cm.keep_alive(),
+                d.pd.clone(),
+                cfg.send_cq.inner.clone(),
+                cfg.recv_cq.inner.clone(),
+            );
             let private = private.clone();
             let (retry, rnr) = (d.profile.retry, d.profile.rnr_retry);
             std::thread::Builder::new()
@@ -812,21 +817,33 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
         let ev = loop {
             if let Ok(Err(e)) = rx.try_recv() {
                 let kind = match e.raw_os_error() {
-                    Some(libc::ECONNREFUSED) | Some(libc::ECONNRESET) => ErrorKind::ConnectionRefused,
-                    Some(libc::ETIMEDOUT) | Some(libc::ENETUNREACH) | Some(libc::EHOSTUNREACH) => ErrorKind::TimedOut,
-                    _ => Error::from(std::io::Error::from_raw_os_error(e.raw_os_error().unwrap_or(0))).kind(),
+                    Some(libc::ECONNREFUSED) | Some(libc::ECONNRESET) => {
+                        ErrorKind::ConnectionRefused
+                    }
+                    Some(libc::ETIMEDOUT) | Some(libc::ENETUNREACH) | Some(libc::EHOSTUNREACH) => {
+                        ErrorKind::TimedOut
+                    }
+                    _ => Error::from(std::io::Error::from_raw_os_error(
+                        e.raw_os_error().unwrap_or(0),
+                    ))
+                    .kind(),
                 };
                 let msg = match kind {
                     ErrorKind::ConnectionRefused => format!("nobody listens at {addr} ({e})"),
                     ErrorKind::TimedOut => format!("{addr} is unreachable ({e})"),
                     _ => format!("rdma_connect to {addr}: {e}"),
                 };
-                return fail(Error::new(kind, msg).with_code(ProviderCode::Errno(e.raw_os_error().unwrap_or(0))));
+                return fail(
+                    Error::new(kind, msg)
+                        .with_code(ProviderCode::Errno(e.raw_os_error().unwrap_or(0))),
+                );
             }
             let step = (Instant::now() + Duration::from_millis(20)).min(deadline);
             match mb.wait(step) {
                 Some(ev) if ev.kind == cm_event::RDMA_CM_EVENT_ESTABLISHED => break ev,
-                Some(ev) if ev.kind == cm_event::RDMA_CM_EVENT_TIMEWAIT_EXIT || ev.kind == cm_event::RDMA_CM_EVENT_ADDR_CHANGE => {}
+                Some(ev)
+                    if ev.kind == cm_event::RDMA_CM_EVENT_TIMEWAIT_EXIT
+                        || ev.kind == cm_event::RDMA_CM_EVENT_ADDR_CHANGE => {}
                 Some(ev) => return fail(event_error(addr, "connection", &ev)),
                 None if Instant::now() >= deadline => {
                     return fail(Error::new(
@@ -854,9 +871,15 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
             }
         }
         let Some(id) = id else {
-            return Err(Error::new(ErrorKind::Io, "connection helper did not release the identifier"));
+            return Err(Error::new(
+                ErrorKind::Io,
+                "connection helper did not release the identifier",
+            ));
         };
-        let mut guard = IdGuard { cm: &d.cm, id: Some(id) };
+        let mut guard = IdGuard {
+            cm: &d.cm,
+            id: Some(id),
+        };
         let id = guard.id.as_mut().expect("just set");
         let (peer_private, peer_credit) = match d.unframe(&ev.private_data) {
             Ok(x) => x,

@@ -128,6 +128,9 @@ struct SqRec {
     is_send: bool,
     /// Failed to post: complete with this error when its turn comes.
     failed: Option<(ErrorKind, Option<ProviderCode>)>,
+    /// The real error of an earlier piece of this record's group (the group's last
+    /// record reports it instead of its own flush).
+    group_err: Option<(ErrorKind, Option<ProviderCode>)>,
     /// Regions in use: memory stays alive until the record completes.
     _holds: Vec<RegionRef>,
 }
@@ -159,8 +162,6 @@ struct Ledger {
     user_sq: usize,
     /// Hardware requests posted and not completed.
     hw_sq: usize,
-    /// The real error of a group's earlier piece, for the group's last record.
-    group_error: Option<(ErrorKind, Option<ProviderCode>)>,
     /// Receives ever posted (iWARP credits).
     recvs_posted: u64,
     /// Sends ever handed to the device (iWARP credits).
@@ -272,7 +273,6 @@ impl EpCore {
                 next_seq: 1,
                 user_sq: 0,
                 hw_sq: 0,
-                group_error: None,
                 recvs_posted: 0,
                 sends_hw: 0,
                 credit_dirty: false,
@@ -482,6 +482,14 @@ impl EpCore {
                         result.len()
                     )));
                 }
+                if remote.addr % 8 != 0 {
+                    // Verbs devices may check this at post (rxe: validate_send_wr returns
+                    // -EINVAL): say so clearly rather than as an opaque device refusal.
+                    return Err(Error::invalid(format!(
+                        "atomic target {:#x} is not 8-byte aligned",
+                        remote.addr
+                    )));
+                }
                 if inline {
                     return Err(Error::invalid("an atomic cannot be inline"));
                 }
@@ -512,6 +520,10 @@ impl EpCore {
             .collect();
         if p.delivery_reads && matches!(wr.op, SendOp::Send { .. } | SendOp::Write { .. }) {
             if let Some(r) = self.delivery_read() {
+                // Fenced behind every earlier read: the previous request's delivery was
+                // confirmed before this one leaves, so when the peer terminates the
+                // connection the first unconfirmed request is the one it refused.
+                wrs[0].0.fence = true;
                 wrs.push((r, false));
             }
         }
@@ -569,6 +581,7 @@ impl EpCore {
                 internal: !last,
                 is_send,
                 failed: None,
+                group_err: None,
                 _holds: if last {
                     holds.take().unwrap_or_default()
                 } else {
@@ -806,6 +819,7 @@ impl EpCore {
                 internal: true,
                 is_send: false,
                 failed: None,
+                group_err: None,
                 _holds: Vec::new(),
             },
         );
@@ -891,27 +905,37 @@ impl EpCore {
                 return;
             };
             if pos != 0 {
-                tracing::warn!(qp = self.qpn, pos, "send completion out of order");
+                // siw flushes its outstanding reads before the send queue.
+                tracing::trace!(qp = self.qpn, pos, "send completion out of order");
             }
             let r = l.sq.remove(pos).expect("position is valid");
             l.hw_sq -= 1;
+            if failed {
+                tracing::debug!(
+                    qp = self.qpn,
+                    seq = w.wr_id,
+                    status = status::name_of(w.status),
+                    user = ?r.user.map(|u| (u.context, u.opcode)),
+                    grouped = r.grouped,
+                    "send-queue request failed"
+                );
+            }
             if r.internal {
                 cq.release_internal(1);
             }
-            if failed
-                && r.user.is_none()
-                && r.grouped
-                && w.status != wc::WR_FLUSH_ERR
-                && l.group_error.is_none()
-            {
-                l.group_error = err;
+            if failed && r.user.is_none() && r.grouped && w.status != wc::WR_FLUSH_ERR {
+                // Hand the real error to the group's last record (completions may come out
+                // of order: siw flushes outstanding reads first).
+                if let Some(last) = l.sq.range_mut(pos..).find(|x| x.user.is_some()) {
+                    last.group_err = last.group_err.or(err);
+                }
             }
             if w.status != wc::SUCCESS && w.status != wc::WR_FLUSH_ERR {
                 l.attributed = true;
             }
             if let Some(u) = r.user {
                 l.user_sq -= 1;
-                let mut e = l.group_error.take().or(err);
+                let mut e = r.group_err.or(err);
                 if w.status == wc::WR_FLUSH_ERR && e.is_some_and(|e| e.0 == ErrorKind::Flushed) {
                     if let Some(k) = self.infer_cause(&mut l, u.opcode) {
                         e = Some((k, Some(ProviderCode::WcStatus(w.status))));
@@ -999,16 +1023,17 @@ impl EpCore {
             }
             if let Some(u) = r.user {
                 l.user_sq -= 1;
-                let e = l
-                    .group_error
-                    .take()
+                let e = r
+                    .group_err
                     .or(r.failed)
                     .unwrap_or((ErrorKind::Flushed, None));
                 self.push_user(&self.send_cq, cst, u, Some(e));
                 any = true;
             } else if let Some(e) = r.failed {
-                if r.grouped && l.group_error.is_none() {
-                    l.group_error = Some(e);
+                if r.grouped {
+                    if let Some(last) = l.sq.iter_mut().find(|x| x.user.is_some()) {
+                        last.group_err = last.group_err.or(Some(e));
+                    }
                 }
             }
         }
