@@ -38,6 +38,48 @@ const CREDIT_SLOTS: usize = 32;
 /// Outstanding reads/atomics asked for (capped by the device).
 const WANT_RD_ATOM: u32 = 16;
 
+/// The core's private data: magic, application length, the credit-area descriptor
+/// (iWARP), then the application's bytes. The length byte matters: an InfiniBand CM REQ
+/// pads private data to its fixed size, so the receiver cannot tell the length otherwise.
+fn frame(app: &[u8], credit: Option<[u8; PD_CREDIT]>) -> Vec<u8> {
+    let mut v = vec![PD_MAGIC, app.len() as u8];
+    if let Some(c) = credit {
+        v.extend_from_slice(&c);
+    }
+    v.extend_from_slice(app);
+    v
+}
+
+/// Parses [`frame`]'s output (possibly padded); hostile input is a `Protocol` error.
+fn unframe(raw: &[u8], credits: bool) -> Result<(Vec<u8>, Option<PeerArea>)> {
+    let bad = |what: &str| {
+        Error::new(
+            ErrorKind::Protocol,
+            format!("peer's connection private data: {what}"),
+        )
+    };
+    if raw.len() < PD_HEADER || raw[0] != PD_MAGIC {
+        return Err(bad("not from this framework (no header)"));
+    }
+    let len = usize::from(raw[1]);
+    let mut at = PD_HEADER;
+    let credit = if credits {
+        let c = CreditArea::decode(
+            raw.get(at..at + PD_CREDIT)
+                .ok_or_else(|| bad("credit area missing"))?,
+        );
+        at += PD_CREDIT;
+        c
+    } else {
+        None
+    };
+    let app = raw
+        .get(at..at + len)
+        .ok_or_else(|| bad("truncated"))?
+        .to_vec();
+    Ok((app, credit))
+}
+
 /// Everything discovery learns for one flavor: the usable device, or why there is none.
 struct Found {
     devices: Vec<(DeviceFacts, Result<Selection, String>)>,
@@ -321,41 +363,11 @@ impl DomainInner {
     }
 
     fn frame(&self, app: &[u8], credit: Option<&(Arc<Buffer>, Mr)>) -> Vec<u8> {
-        let mut v = vec![PD_MAGIC, app.len() as u8];
-        if let Some((b, m)) = credit {
-            v.extend_from_slice(&CreditArea::encode(b, m));
-        }
-        v.extend_from_slice(app);
-        v
+        frame(app, credit.map(|(b, m)| CreditArea::encode(b, m)))
     }
 
     fn unframe(&self, raw: &[u8]) -> Result<(Vec<u8>, Option<PeerArea>)> {
-        let bad = |what: &str| {
-            Error::new(
-                ErrorKind::Protocol,
-                format!("peer's connection private data: {what}"),
-            )
-        };
-        if raw.len() < PD_HEADER || raw[0] != PD_MAGIC {
-            return Err(bad("not from this framework (no header)"));
-        }
-        let len = usize::from(raw[1]);
-        let mut at = PD_HEADER;
-        let credit = if self.profile.credits {
-            let c = CreditArea::decode(
-                raw.get(at..at + PD_CREDIT)
-                    .ok_or_else(|| bad("credit area missing"))?,
-            );
-            at += PD_CREDIT;
-            c
-        } else {
-            None
-        };
-        let app = raw
-            .get(at..at + len)
-            .ok_or_else(|| bad("truncated"))?
-            .to_vec();
-        Ok((app, credit))
+        unframe(raw, self.profile.credits)
     }
 
     fn qp_caps(&self, sq: u32, rq: u32) -> QpCaps {
@@ -1073,5 +1085,95 @@ impl Registration for VerbsRegistration {
     fn revoke(&self) {
         // ibv_dereg_mr of the remote registration: the key is dead when this returns.
         drop(self.remote.lock().expect("registration poisoned").take());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn private_data_round_trips_with_padding_and_rejects_hostile_bytes() {
+        let mut raw = frame(b"from the client", None);
+        raw.resize(56, 0); // an InfiniBand CM REQ pads to its fixed size
+        let (app, c) = unframe(&raw, false).unwrap();
+        assert_eq!((app.as_slice(), c), (&b"from the client"[..], None));
+        let mut area = [0u8; PD_CREDIT];
+        area[..8].copy_from_slice(&0x1234_5678_9abc_def0u64.to_be_bytes());
+        area[8..].copy_from_slice(&0xfeed_beefu32.to_be_bytes());
+        let raw = frame(b"x", Some(area));
+        assert_eq!(
+            unframe(&raw, true).unwrap(),
+            (b"x".to_vec(), Some((0x1234_5678_9abc_def0, 0xfeed_beef)))
+        );
+        assert_eq!(
+            unframe(&frame(b"", None), false).unwrap().0,
+            Vec::<u8>::new()
+        );
+        for hostile in [&b""[..], b"\xfb", b"GET / HTTP/1.1", &[PD_MAGIC, 200, 1, 2]] {
+            assert_eq!(
+                unframe(hostile, false).unwrap_err().kind(),
+                ErrorKind::Protocol
+            );
+        }
+        assert_eq!(
+            unframe(&frame(b"abc", None), true).unwrap_err().kind(),
+            ErrorKind::Protocol
+        );
+    }
+
+    #[test]
+    fn limits_leave_room_for_the_header_and_the_provider_requests() {
+        let dev = DeviceFacts {
+            name: "siw0".into(),
+            transport: crate::Transport::Iwarp,
+            node_guid: 0,
+            fw_ver: String::new(),
+            vendor_id: 0,
+            max_mr_size: u64::MAX,
+            max_qp_wr: 32768,
+            max_sge: 6,
+            max_sge_rd: 1,
+            max_cqe: 3_276_800,
+            max_qp_rd_atom: 128,
+            max_qp_init_rd_atom: 128,
+            atomic_cap: 0,
+            max_inline: 80,
+            ports: Vec::new(),
+        };
+        let mut p = Profile {
+            atomics: false,
+            immediate: false,
+            credits: true,
+            delivery_reads: true,
+            split_reads: true,
+            sink_remote_write: true,
+            transport_private_data: 248,
+            rnr_retry: 7,
+            retry: 7,
+            min_rnr_timer: None,
+            infer_terminate: true,
+            length_as_malformed_wqe: false,
+            unsupported: BTreeMap::new(),
+            emulated: Vec::new(),
+        };
+        let l = limits_of(&dev, &p, 1);
+        assert_eq!(l.max_private_data as usize, 248 - PD_HEADER - PD_CREDIT);
+        assert_eq!(pieces(&dev, &p), 6);
+        assert!(l.max_send_queue as usize * 6 + CREDIT_SLOTS <= 32768);
+        assert_eq!(
+            ops_of(&p, &l),
+            OpSet::SEND | OpSet::WRITE | OpSet::READ | OpSet::INLINE
+        );
+        p.credits = false;
+        p.delivery_reads = false;
+        p.split_reads = false;
+        p.atomics = true;
+        p.immediate = true;
+        let l = limits_of(&dev, &p, 1);
+        assert_eq!(l.max_send_queue, 32768);
+        assert_eq!(l.max_cq_entries, 3_276_800);
+        assert_eq!(l.max_outstanding_reads, WANT_RD_ATOM);
+        assert!(ops_of(&p, &l).contains(OpSet::ATOMICS | OpSet::SEND_IMM | OpSet::WRITE_IMM));
     }
 }
