@@ -58,8 +58,13 @@ fn unframe(raw: &[u8], credits: bool) -> Result<(Vec<u8>, Option<PeerArea>)> {
             format!("peer's connection private data: {what}"),
         )
     };
-    if raw.len() < PD_HEADER || raw[0] != PD_MAGIC {
-        return Err(bad("not from this framework (no header)"));
+    if raw.first() != Some(&PD_MAGIC) {
+        // A peer that is not of this framework (perftest, another iWARP stack): its bytes
+        // are all application data, and there is no credit area.
+        return Ok((raw.to_vec(), None));
+    }
+    if raw.len() < PD_HEADER {
+        return Err(bad("truncated header"));
     }
     let len = usize::from(raw[1]);
     let mut at = PD_HEADER;
@@ -904,7 +909,8 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
             (Some((buf, mr)), Some(peer)) => Some(CreditArea { buf, mr, peer }),
             (None, _) => None,
             (Some(_), None) => {
-                return Err(Error::new(ErrorKind::Protocol, "peer sent no credit area"))
+                tracing::warn!("peer is not of this framework (no credit area): no credit flow control on this connection");
+                None
             }
         };
         let id = guard.id.take().expect("still held");
@@ -1032,7 +1038,8 @@ impl<F: Flavor> VerbsListener<F> {
             (Some((buf, mr)), Some(peer)) => Some(CreditArea { buf, mr, peer }),
             (None, _) => None,
             (Some(_), None) => {
-                return Err(Error::new(ErrorKind::Protocol, "peer sent no credit area"))
+                tracing::warn!("peer is not of this framework (no credit area): no credit flow control on this connection");
+                None
             }
         };
         Ok((mb, credit, hw_sq_cap))
@@ -1110,12 +1117,18 @@ mod tests {
             unframe(&frame(b"", None), false).unwrap().0,
             Vec::<u8>::new()
         );
-        for hostile in [&b""[..], b"\xfb", b"GET / HTTP/1.1", &[PD_MAGIC, 200, 1, 2]] {
+        for hostile in [&[PD_MAGIC][..], &[PD_MAGIC, 200, 1, 2]] {
             assert_eq!(
                 unframe(hostile, false).unwrap_err().kind(),
                 ErrorKind::Protocol
             );
         }
+        // A foreign peer's private data is all application data.
+        assert_eq!(
+            unframe(b"GET / HTTP/1.1", true).unwrap(),
+            (b"GET / HTTP/1.1".to_vec(), None)
+        );
+        assert_eq!(unframe(b"", false).unwrap(), (Vec::new(), None));
         assert_eq!(
             unframe(&frame(b"abc", None), true).unwrap_err().kind(),
             ErrorKind::Protocol

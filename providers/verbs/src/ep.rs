@@ -1218,10 +1218,11 @@ impl<F: Flavor> Endpoint for VerbsEndpoint<F> {
         self.core.peer
     }
     fn emulated(&self) -> Vec<String> {
-        self.core
-            .dom
-            .profile
-            .emulated
+        let p = &self.core.dom.profile;
+        if p.credits && self.core.credit.is_none() {
+            return vec!["none: the peer is not of this framework, so no credit flow control (a send finding no posted receive breaks the connection) and no delivery-complete sends and writes".into()];
+        }
+        p.emulated
             .iter()
             .map(|e| format!("{}: {}", e.feature, e.how))
             .collect()
