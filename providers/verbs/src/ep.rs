@@ -174,6 +174,11 @@ struct Ledger {
     closed_locally: bool,
     /// The cause of the queue pair's death was reported (or needs no inference).
     attributed: bool,
+    /// When the endpoint left `Connected`.
+    dead_since: Option<Instant>,
+    /// Regions of requests the provider completed itself after the device failed to
+    /// flush them: kept until the queue pair is destroyed.
+    graveyard: Vec<RegionRef>,
 }
 
 /// The shared core of an endpoint.
@@ -279,6 +284,8 @@ impl EpCore {
                 blocked: false,
                 closed_locally: false,
                 attributed: false,
+                dead_since: None,
+                graveyard: Vec::new(),
             }),
         });
         core.send_cq.lock().qps.insert(qpn, core.clone());
@@ -700,6 +707,10 @@ impl EpCore {
     /// Called by the RNR thread: retries held-back work. Returns whether still blocked.
     pub fn retry_blocked(self: &Arc<Self>) -> bool {
         let mut l = self.lock();
+        if l.status != EndpointState::Connected || l.torn_down {
+            drop(l);
+            return self.flush_stuck();
+        }
         self.release_pending(&mut l);
         self.send_credit(&mut l, true);
         let still = (l.pending > 0 || l.credit_dirty)
@@ -707,6 +718,90 @@ impl EpCore {
             && !l.torn_down;
         l.blocked = still;
         still
+    }
+
+    /// How long a dead endpoint waits for the device to flush what it holds.
+    const FLUSH_GRACE: Duration = Duration::from_secs(2);
+
+    /// Registers a dead endpoint with the RNR thread, which completes what the device
+    /// never flushes (siw leaves fenced requests in its send queue when a Terminate
+    /// arrives while its transmitter is idle).
+    fn note_dead(self: &Arc<Self>, l: &mut Ledger) {
+        if l.status == EndpointState::Connected || l.dead_since.is_some() {
+            return;
+        }
+        l.dead_since = Some(Instant::now());
+        if !l.blocked {
+            l.blocked = true;
+            self.dom.rnr.add(Arc::downgrade(self));
+        }
+    }
+
+    /// Completes `Flushed` whatever the device has not flushed a while after the endpoint
+    /// died. The regions stay alive (graveyard) until the queue pair is destroyed.
+    /// Returns whether the endpoint must be looked at again.
+    fn flush_stuck(&self) -> bool {
+        {
+            let l = self.lock();
+            let Some(t) = l.dead_since else {
+                return false;
+            };
+            if l.torn_down || (l.sq.is_empty() && l.rq.is_empty()) {
+                return false;
+            }
+            if t.elapsed() < Self::FLUSH_GRACE {
+                return true;
+            }
+        }
+        {
+            let mut cst = self.send_cq.lock();
+            self.send_cq.drain(&mut cst);
+            let mut l = self.lock();
+            let recs: Vec<SqRec> = l.sq.drain(..).collect();
+            if !recs.is_empty() {
+                tracing::debug!(qp = self.qpn, n = recs.len(), "device did not flush these send-queue requests: the provider completes them Flushed");
+            }
+            for r in recs {
+                if r.wr.is_some() {
+                    l.pending -= 1;
+                } else if r.failed.is_none() {
+                    l.hw_sq -= 1;
+                }
+                if r.internal {
+                    self.send_cq.release_internal(1);
+                }
+                if let Some(u) = r.user {
+                    l.user_sq -= 1;
+                    let e = r
+                        .group_err
+                        .or(r.failed)
+                        .unwrap_or((ErrorKind::Flushed, None));
+                    self.push_user(&self.send_cq, &mut cst, u, Some(e));
+                }
+                l.graveyard.extend(r._holds);
+            }
+            self.send_cq.notify();
+        }
+        {
+            let mut cst = self.recv_cq.lock();
+            self.recv_cq.drain(&mut cst);
+            let mut l = self.lock();
+            let recs: Vec<RqRec> = l.rq.drain(..).collect();
+            for r in recs {
+                cst.ready.push_back(Completion {
+                    context: r.context,
+                    opcode: Opcode::Recv,
+                    status: Status::Error(ErrorKind::Flushed),
+                    provider_code: None,
+                    byte_len: 0,
+                    imm: None,
+                });
+                l.graveyard.extend(r._holds);
+            }
+            self.recv_cq.notify();
+        }
+        self.lock().blocked = false;
+        false
     }
 
     pub fn post_recv(self: &Arc<Self>, wr: &RecvWr<'_>) -> Result<()> {
@@ -833,7 +928,7 @@ impl EpCore {
     // ----- completions ------------------------------------------------------------------
 
     /// Handles one device completion of this endpoint's queue pair (CQ lock held).
-    pub fn on_completion(&self, cq: &CqInner, cst: &mut CqState, w: &Wc) {
+    pub fn on_completion(self: &Arc<Self>, cq: &CqInner, cst: &mut CqState, w: &Wc) {
         let mut l = self.lock();
         let failed = w.status != wc::SUCCESS;
         let mut err = failed.then(|| {
@@ -874,10 +969,10 @@ impl EpCore {
         if w.wr_id & RECV_BIT != 0 {
             let seq = w.wr_id & !RECV_BIT;
             let Some(pos) = l.rq.iter().position(|r| r.seq == seq) else {
-                tracing::warn!(
+                tracing::debug!(
                     qp = self.qpn,
                     seq,
-                    "receive completion for an unknown request"
+                    "receive completion for a request already completed by the provider"
                 );
                 return;
             };
@@ -897,10 +992,10 @@ impl EpCore {
             });
         } else {
             let Some(pos) = l.sq.iter().position(|r| r.seq == w.wr_id) else {
-                tracing::warn!(
+                tracing::debug!(
                     qp = self.qpn,
                     seq = w.wr_id,
-                    "send completion for an unknown request"
+                    "send completion for a request already completed by the provider"
                 );
                 return;
             };
@@ -944,6 +1039,7 @@ impl EpCore {
                 self.push_user(cq, cst, u, e);
             }
         }
+        self.note_dead(&mut l);
         if std::ptr::eq(cq, Arc::as_ptr(&self.send_cq)) {
             if l.status == EndpointState::Connected {
                 self.release_pending(&mut l);
@@ -1055,11 +1151,12 @@ impl EpCore {
 
     /// The state, refreshed from the queue pair (a remote error leaves no completion at
     /// the responder on InfiniBand transports: its queue pair just enters ERR).
-    pub fn state(&self) -> EndpointState {
+    pub fn state(self: &Arc<Self>) -> EndpointState {
         let mut l = self.lock();
         if l.status == EndpointState::Connected && !l.torn_down {
             if let Ok(ffi::QPS_ERR) = self.id.qp_state() {
                 l.status = self.dead_state();
+                self.note_dead(&mut l);
                 drop(l);
                 self.flush_dead();
                 return self.lock().status;
@@ -1078,7 +1175,7 @@ impl EpCore {
     }
 
     /// The peer disconnected (connection-manager thread).
-    pub fn on_disconnected(&self) {
+    pub fn on_disconnected(self: &Arc<Self>) {
         let mut l = self.lock();
         if l.status == EndpointState::Connected {
             l.status = if self.iwarp() {
@@ -1093,18 +1190,20 @@ impl EpCore {
             // the ledger lock: teardown destroys the queue pair under it too.
             let _ = self.id.disconnect();
         }
+        self.note_dead(&mut l);
         drop(l);
         self.flush_dead();
     }
 
     /// Graceful close.
-    pub fn close(&self) {
+    pub fn close(self: &Arc<Self>) {
         let mut l = self.lock();
         let was = l.status == EndpointState::Connected && !l.torn_down;
         l.closed_locally = true;
         if l.status == EndpointState::Connected {
             l.status = EndpointState::Disconnected;
         }
+        self.note_dead(&mut l);
         let mut marker_seq = None;
         if was && self.credit.is_some() && self.send_cq.reserve_internal(1, false) {
             let seq = l.next_seq;
