@@ -3,6 +3,7 @@
 
 mod demo;
 mod info;
+mod rping;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -28,6 +29,8 @@ enum Cmd {
     },
     /// A client and a server moving data with send/receive, write, read and atomics.
     Demo(demo::DemoArgs),
+    /// rdma-core's rping protocol, to check a provider against rdma-core's `rping`.
+    Rping(rping::RpingArgs),
     /// Run the conformance suite (semantics.md as tests) against providers.
     Conformance {
         /// Providers to test, comma separated.
@@ -85,6 +88,7 @@ fn main() -> ExitCode {
     let result = match cli.cmd {
         Cmd::Info { json } => info::run(json),
         Cmd::Demo(args) => demo::run(args),
+        Cmd::Rping(args) => rping::run(args),
         Cmd::Conformance {
             provider,
             peer,

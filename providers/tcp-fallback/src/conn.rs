@@ -1370,9 +1370,20 @@ impl Conn {
                 }
             }
         }
-        let sges = &r.read_cache.as_ref().expect("cached").1;
+        let sges = r.read_cache.as_ref().expect("cached").1.clone();
         let total: usize = sges.iter().map(|s| s.2).sum();
-        if to
+        if total == 0 && len > 0 {
+            // The kernel's siw answers a zero-length Read it serves from its IRQ with the
+            // previous WQE's stale SGE (siw_activate_tx copies the SGE only when num_sge is
+            // set, siw_qp_sq_proc_tx then forces num_sge = 1 for every Read Response). The
+            // response is still ordered after everything before the Read, which is all a
+            // zero-length Read is for: drop the bytes, never let them reach memory.
+            tracing::debug!(
+                len,
+                "discarding the payload of a Read Response to a zero-length Read"
+            );
+            r.discard(len)?;
+        } else if to
             .checked_add(len as u64)
             .is_none_or(|end| end > total as u64)
         {
@@ -1383,7 +1394,6 @@ impl Conn {
             ));
         }
         let (mut at, mut left) = (to as usize, len);
-        let sges = sges.clone();
         for (b, off, slen) in &sges {
             if left == 0 {
                 break;

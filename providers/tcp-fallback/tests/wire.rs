@@ -441,3 +441,30 @@ fn wrong_msn_and_short_ulpdu_are_terminated() {
     expect_terminate(&mut raw, fabric_tcp::wire::ddp::term::FPDU);
     wait_state(&ep, EndpointState::Error);
 }
+
+#[test]
+fn stale_payload_on_a_zero_length_read_response_is_dropped() {
+    // The kernel's siw may answer a zero-length Read with the previous WQE's bytes (see
+    // conn.rs, on_read_response): the send it flushes still completes, nothing is placed.
+    let (srv, ep, mut raw) = connected_raw(false);
+    let src = srv
+        .domain
+        .register(Arc::new(Buffer::from_slice(b"hi")), Access::empty())
+        .unwrap();
+    ep.post_send(&SendWr::send(4, &[src.all()])).unwrap();
+    let _send = read_fpdu(&mut raw);
+    let (_, payload) = read_fpdu(&mut raw);
+    let flush = ReadRequest::decode(&payload).unwrap();
+    let stale = Header::Tagged {
+        last: true,
+        opcode: opcode::READ_RESPONSE,
+        stag: flush.sink_stag,
+        to: flush.sink_to,
+    };
+    raw.write_all(&fpdu(stale, &[0xab; 16], false)).unwrap();
+    assert!(srv.cq.wait(Duration::from_secs(5)).unwrap());
+    let mut out = Vec::new();
+    srv.cq.poll(&mut out, 4).unwrap();
+    assert_eq!((out[0].context, out[0].status), (4, Status::Success));
+    assert_eq!(ep.state(), EndpointState::Connected);
+}
