@@ -446,7 +446,18 @@ impl EpCore {
                 if inline {
                     return Err(Error::invalid("a read cannot be inline"));
                 }
-                let (sges, holds, total) = self.sges(sgl, Access::LOCAL_WRITE)?;
+                let (mut sges, holds, total) = self.sges(sgl, Access::LOCAL_WRITE)?;
+                if sges.is_empty() && self.iwarp() {
+                    // siw takes the sink STag from the first entry even when there is none
+                    // (a stale one, then): name a valid, empty sink.
+                    if let Some(c) = &self.credit {
+                        sges.push(Sge {
+                            addr: c.buf.addr() + credit::SCRATCH as u64,
+                            len: 0,
+                            lkey: c.mr.lkey(),
+                        });
+                    }
+                }
                 let max_rd = self.dom.dev.max_sge_rd.max(1) as usize;
                 let wrs = if p.split_reads && sges.len() > max_rd {
                     let mut off = 0u64;
