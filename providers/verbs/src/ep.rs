@@ -446,15 +446,24 @@ impl EpCore {
                 if inline {
                     return Err(Error::invalid("a read cannot be inline"));
                 }
-                let (mut sges, holds, total) = self.sges(sgl, Access::LOCAL_WRITE)?;
-                if sges.is_empty() && self.iwarp() {
-                    // siw takes the sink STag from the first entry even when there is none
-                    // (a stale one, then): name a valid, empty sink.
-                    if let Some(c) = &self.credit {
-                        sges.push(Sge {
-                            addr: c.buf.addr() + credit::SCRATCH as u64,
-                            len: 0,
-                            lkey: c.mr.lkey(),
+                let (sges, holds, total) = self.sges(sgl, Access::LOCAL_WRITE)?;
+                if total == 0 && self.iwarp() {
+                    // A zero-length RDMA Read names no memory and checks no key; siw
+                    // mishandles it (it takes the sink STag of an entry that is not there
+                    // and sometimes fails the response, IBV_WC_GENERAL_ERR). Same meaning,
+                    // well-formed: read 8 bytes of the peer's credit area into our scratch.
+                    if let Some(r) = self.delivery_read() {
+                        let mut r = r;
+                        r.fence = fence;
+                        return Ok(Plan {
+                            wrs: vec![(r, false)],
+                            user: UserRec {
+                                context: wr.context,
+                                opcode: Opcode::Read,
+                                signaled: wr.flags.contains(SendFlags::SIGNALED),
+                                byte_len: 0,
+                            },
+                            holds,
                         });
                     }
                 }
@@ -967,6 +976,7 @@ impl EpCore {
         }
         if w.status != wc::SUCCESS
             && w.status != wc::WR_FLUSH_ERR
+            && !(self.dom.profile.infer_terminate && w.status == wc::LOC_QP_OP_ERR)
             && l.status == EndpointState::Connected
         {
             tracing::debug!(
@@ -1029,22 +1039,30 @@ impl EpCore {
             if r.internal {
                 cq.release_internal(1);
             }
-            if failed && r.user.is_none() && r.grouped && w.status != wc::WR_FLUSH_ERR {
+            // siw reports every transmit failure as LOC_QP_OP_ERR, including a send or
+            // write cut off because the peer terminated the connection; our own entries
+            // are valid by construction, so there it means what a flush means.
+            let flushlike = w.status == wc::WR_FLUSH_ERR
+                || (self.dom.profile.infer_terminate && w.status == wc::LOC_QP_OP_ERR);
+            if failed && r.user.is_none() && r.grouped && !flushlike {
                 // Hand the real error to the group's last record (completions may come out
                 // of order: siw flushes outstanding reads first).
                 if let Some(last) = l.sq.range_mut(pos..).find(|x| x.user.is_some()) {
                     last.group_err = last.group_err.or(err);
                 }
             }
-            if w.status != wc::SUCCESS && w.status != wc::WR_FLUSH_ERR {
+            if failed && !flushlike {
                 l.attributed = true;
             }
             if let Some(u) = r.user {
                 l.user_sq -= 1;
                 let mut e = r.group_err.or(err);
-                if w.status == wc::WR_FLUSH_ERR && e.is_some_and(|e| e.0 == ErrorKind::Flushed) {
-                    if let Some(k) = self.infer_cause(&mut l, u.opcode) {
-                        e = Some((k, Some(ProviderCode::WcStatus(w.status))));
+                if flushlike && r.group_err.is_none() {
+                    match self.infer_cause(&mut l, u.opcode) {
+                        Some(k) => e = Some((k, Some(ProviderCode::WcStatus(w.status)))),
+                        None => {
+                            e = Some((ErrorKind::Flushed, Some(ProviderCode::WcStatus(w.status))))
+                        }
                     }
                 }
                 self.push_user(cq, cst, u, e);
