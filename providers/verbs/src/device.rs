@@ -303,8 +303,13 @@ fn facts(r: ffi::RawDevice) -> DeviceFacts {
                 .map(|(idx, g)| GidEntry {
                     index: idx as u32,
                     gid: Gid(*g),
-                    kind: read_trim(format!("{base}/types/{idx}"))
-                        .map_or(GidKind::Unknown, |s| GidKind::parse(&s)),
+                    // iWARP GIDs carry the MAC: sysfs' RoCE types mean nothing there.
+                    kind: if transport == Transport::Iwarp {
+                        GidKind::Unknown
+                    } else {
+                        read_trim(format!("{base}/types/{idx}"))
+                            .map_or(GidKind::Unknown, |s| GidKind::parse(&s))
+                    },
                     netdev: read_trim(format!("{base}/ndevs/{idx}")).filter(|s| !s.is_empty()),
                 })
                 .collect();
