@@ -3,7 +3,9 @@
 use std::collections::BTreeMap;
 
 bitflags::bitflags! {
-    /// Operations a provider supports.
+    /// Operations a provider supports, and the contract's guarantees that are not
+    /// operations (a provider may lack them: the conformance suite then reports the cases
+    /// that need them unsupported, with the declared reason).
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
     pub struct OpSet: u32 {
         /// Send / receive.
@@ -22,12 +24,20 @@ bitflags::bitflags! {
         const COMPARE_SWAP = 1 << 6;
         /// Inline sends.
         const INLINE = 1 << 7;
+        /// Guarantee: a send that finds no posted receive waits for one (RC
+        /// receiver-not-ready retry); nothing is lost, nothing errors.
+        const RNR_WAIT = 1 << 8;
+        /// Guarantee: a remote read of a region without REMOTE_READ is refused
+        /// (RemoteAccess).
+        const READ_PROTECTION = 1 << 9;
     }
 }
 
 impl OpSet {
     /// Both atomics.
     pub const ATOMICS: OpSet = OpSet::FETCH_ADD.union(OpSet::COMPARE_SWAP);
+    /// The guarantees, which cannot be posted.
+    pub const GUARANTEES: OpSet = OpSet::RNR_WAIT.union(OpSet::READ_PROTECTION);
 }
 
 /// Numeric limits of a provider or device.

@@ -135,6 +135,10 @@ pub trait Endpoint: Send + Sync + Debug {
     fn peer_addr(&self) -> SocketAddr;
     /// Operations that are emulated on this connection (after negotiation with the peer).
     fn emulated(&self) -> Vec<String>;
+    /// Operations and guarantees this connection provides, after negotiation with the
+    /// peer: a subset of the provider's capabilities (a peer that is not of this framework
+    /// may not speak the provider's extensions or flow control).
+    fn ops(&self) -> crate::OpSet;
     /// Graceful close: outstanding operations complete Flushed on both sides.
     fn close(&self) -> Result<()>;
 }

@@ -455,23 +455,52 @@ impl<T> Ctxt<T> for fabric::Result<T> {
     }
 }
 
-/// Posts the operation a case needs on a fresh pair and checks it is refused Unsupported.
-fn check_unsupported(ctx: &Ctx, needs: OpSet) -> Outcome {
+/// Where a lack of operations was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lack {
+    /// The providers' declared capabilities.
+    Declared,
+    /// The connection, after negotiation with the peer.
+    Negotiated,
+}
+
+/// The outcome of a case needing `needs` where only `have` is provided: `unsupported`
+/// once the lack is confirmed. Operations must be refused at post with `Unsupported`;
+/// guarantees (which cannot be posted) rest on the declaration or negotiation alone.
+fn unsupported(ctx: &Ctx, needs: OpSet, have: OpSet, lack: Lack) -> Outcome {
+    let missing = needs - have;
+    let reason = match lack {
+        Lack::Declared => [ctx.info(), ctx.target_info()]
+            .iter()
+            .find_map(|i| {
+                i.caps
+                    .why_unsupported(missing)
+                    .map(|w| format!("{}: {w}", i.name))
+            })
+            .unwrap_or_else(|| format!("{missing:?} not declared")),
+        Lack::Negotiated => {
+            format!("the connection does not provide {missing:?} after negotiating with its peer")
+        }
+    };
+    let postable = missing - OpSet::GUARANTEES;
+    if postable.is_empty() {
+        return Outcome::Unsupported(reason);
+    }
     let run = || -> Result<String, String> {
         let p = ctx.pair()?;
         let mr = region(&p.da, 64, all_access())?;
         let remote = region(&p.db, 64, all_access())?;
         let sgl = [mr.slice(0..8).ctx("slice")?];
         let at = remote.desc().at(0);
-        let wr = if needs.intersects(OpSet::ATOMICS) {
+        let wr = if postable.intersects(OpSet::ATOMICS) {
             SendWr::fetch_add(1, sgl[0], at, 1)
-        } else if needs.contains(OpSet::WRITE_IMM) {
+        } else if postable.contains(OpSet::WRITE_IMM) {
             SendWr::write(1, &sgl, at).with_imm(7)
-        } else if needs.contains(OpSet::SEND_IMM) {
+        } else if postable.contains(OpSet::SEND_IMM) {
             SendWr::send(1, &sgl).with_imm(7)
-        } else if needs.contains(OpSet::READ) {
+        } else if postable.contains(OpSet::READ) {
             SendWr::read(1, &sgl, at)
-        } else if needs.contains(OpSet::WRITE) {
+        } else if postable.contains(OpSet::WRITE) {
             SendWr::write(1, &sgl, at)
         } else {
             SendWr::send(1, &sgl)
@@ -479,22 +508,35 @@ fn check_unsupported(ctx: &Ctx, needs: OpSet) -> Outcome {
         match p.a.post_send(&wr) {
             Err(e) if e.kind() == ErrorKind::Unsupported => Ok(e.to_string()),
             other => Err(format!(
-                "capabilities declare {needs:?} unsupported, but posting it returned {other:?}"
+                "{postable:?} is not provided ({reason}), but posting it returned {other:?}"
             )),
         }
     };
-    let declared = [ctx.info(), ctx.target_info()]
-        .iter()
-        .find_map(|i| {
-            i.caps
-                .why_unsupported(needs)
-                .map(|w| format!("{}: {w}", i.name))
-        })
-        .unwrap_or_default();
     match run() {
-        Ok(posted) => Outcome::Unsupported(format!("{declared}; post returned {posted}")),
+        Ok(posted) => Outcome::Unsupported(format!("{reason}; post returned {posted}")),
         Err(e) => Outcome::Fail(e),
     }
+}
+
+/// The outcome when the case cannot run as is: its needs are not declared by both
+/// providers, or not provided by a connection between them; `None` to run it.
+fn gate(ctx: &Ctx, needs: OpSet, declared: OpSet) -> Option<Outcome> {
+    if !declared.contains(needs) {
+        return Some(unsupported(ctx, needs, declared, Lack::Declared));
+    }
+    // What a connection provides can be less than declared: a mixed pair, or a
+    // configuration (the tcp provider with extensions off) negotiates it down.
+    match negotiated(ctx) {
+        Err(e) => Some(Outcome::Fail(format!("connecting a probe pair: {e}"))),
+        Ok(have) if !have.contains(needs) => Some(unsupported(ctx, needs, have, Lack::Negotiated)),
+        Ok(_) => None,
+    }
+}
+
+/// What a connection between the two sides provides after negotiation.
+fn negotiated(ctx: &Ctx) -> Result<OpSet, String> {
+    let p = ctx.pair()?;
+    Ok(p.a.ops() & p.b.ops())
 }
 
 /// Runs one case against `ctx.provider`, never letting a hang or panic escape.
@@ -513,8 +555,8 @@ pub fn run_case(ctx: &Ctx, case: &Case) -> CaseResult {
         });
     let outcome = if let Some(reason) = unavailable {
         Outcome::NoDevice(reason)
-    } else if !(info.caps.ops & target_info.caps.ops).contains(case.needs) {
-        check_unsupported(ctx, case.needs)
+    } else if let Some(gated) = gate(ctx, case.needs, info.caps.ops & target_info.caps.ops) {
+        gated
     } else {
         let (tx, rx) = mpsc::channel();
         let c2 = ctx.clone();

@@ -11,8 +11,8 @@ use std::time::Duration;
 use enum_dispatch::enum_dispatch;
 use fabric_api::spi::{self, EndpointConfig};
 use fabric_api::{
-    Access, Buffer, Completion, EndpointState, Error, MemoryRegion, ProviderInfo, RecvWr, Result,
-    SendWr,
+    Access, Buffer, Completion, EndpointState, Error, MemoryRegion, OpSet, ProviderInfo, RecvWr,
+    Result, SendWr,
 };
 use fabric_ib::{IbCq, IbDomain, IbEndpoint, IbListener};
 use fabric_iwarp::{IwarpCq, IwarpDomain, IwarpEndpoint, IwarpListener};
@@ -66,6 +66,8 @@ pub trait EndpointOps {
     fn peer_addr(&self) -> SocketAddr;
     /// What is emulated on this connection.
     fn emulated(&self) -> Vec<String>;
+    /// Operations and guarantees this connection provides after negotiation.
+    fn ops(&self) -> OpSet;
     /// Graceful close.
     fn close(&self) -> Result<()>;
 }
@@ -247,6 +249,9 @@ impl<E: spi::Endpoint> EndpointOps for E {
     }
     fn emulated(&self) -> Vec<String> {
         spi::Endpoint::emulated(self)
+    }
+    fn ops(&self) -> OpSet {
+        spi::Endpoint::ops(self)
     }
     fn close(&self) -> Result<()> {
         spi::Endpoint::close(self)

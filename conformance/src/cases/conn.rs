@@ -22,7 +22,7 @@ pub(super) fn cases() -> Vec<Case> {
         "conn.post_after_close_fails", "7", OpSet::SEND => post_after_close;
         "conn.many_endpoints_one_listener", "7", OpSet::SEND => many_endpoints;
         "conn.peer_exit_is_a_disconnect", "7", OpSet::SEND => peer_exit;
-        "conn.peer_killed_mid_transfer", "7", OpSet::SEND | OpSet::WRITE => peer_killed;
+        "conn.peer_killed_mid_transfer", "7", OpSet::SEND | OpSet::WRITE | OpSet::RNR_WAIT => peer_killed;
     }
 }
 

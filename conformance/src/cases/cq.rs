@@ -19,8 +19,8 @@ pub(super) fn cases() -> Vec<Case> {
         "cq.unsignaled_no_completion", "6", OpSet::WRITE => unsignaled;
         "cq.error_state_flushes_and_refuses", "6", OpSet::SEND | OpSet::WRITE => error_state;
         "cq.remote_access_error_both_ends", "6", OpSet::READ => remote_error_both_ends;
-        "cq.overrun_refused", "6", OpSet::SEND => overrun_refused;
-        "cq.send_queue_full", "6", OpSet::SEND => send_queue_full;
+        "cq.overrun_refused", "6", OpSet::SEND | OpSet::RNR_WAIT => overrun_refused;
+        "cq.send_queue_full", "6", OpSet::SEND | OpSet::RNR_WAIT => send_queue_full;
         "cq.recv_queue_full", "6", OpSet::SEND => recv_queue_full;
         "cq.wait_times_out", "6", OpSet::empty() => wait_times_out;
         "cq.wait_wakes_on_completion", "6", OpSet::SEND => wait_wakes;
@@ -92,7 +92,7 @@ fn fields(ctx: &Ctx) -> CaseResultOf {
     );
     expect_ok(&p.cqa, 6, Opcode::Send)?;
     // Where the provider offers them, the one-sided opcodes too.
-    let ops = p.da.info().caps.ops;
+    let ops = p.a.ops() & p.b.ops();
     let remote = region(
         &p.db,
         64,
@@ -155,7 +155,7 @@ fn fields(ctx: &Ctx) -> CaseResultOf {
 fn post_order(ctx: &Ctx) -> CaseResultOf {
     const N: usize = 20;
     let p = ctx.pair()?;
-    let atomics = p.da.info().caps.ops.contains(OpSet::FETCH_ADD);
+    let atomics = (p.a.ops() & p.b.ops()).contains(OpSet::FETCH_ADD);
     let big = 128 << 10;
     let src = region(&p.da, big, Access::empty())?;
     src.buffer().fill(0, big, 0x3C);

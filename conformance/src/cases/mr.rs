@@ -21,7 +21,7 @@ pub(super) fn cases() -> Vec<Case> {
         "mr.write_out_of_bounds", "2", OpSet::WRITE => write_oob;
         "mr.read_out_of_bounds", "2", OpSet::READ => read_oob;
         "mr.write_needs_remote_write", "2", OpSet::WRITE => write_needs_access;
-        "mr.read_needs_remote_read", "2", OpSet::READ => read_needs_access;
+        "mr.read_needs_remote_read", "2", OpSet::READ | OpSet::READ_PROTECTION => read_needs_access;
         "mr.deregistered_key_is_dead", "2", OpSet::WRITE => deregistered_dead;
         "mr.key_of_another_domain", "2", OpSet::WRITE => other_domain_key;
         "mr.memory_outlives_deregistration_in_flight", "2", OpSet::WRITE => outlives;

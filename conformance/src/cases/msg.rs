@@ -15,13 +15,13 @@ pub(super) fn cases() -> Vec<Case> {
         "msg.send_recv", "3", OpSet::SEND => send_recv;
         "msg.receives_in_post_order", "3", OpSet::SEND => receives_in_order;
         "msg.bytes_beyond_message_untouched", "3", OpSet::SEND => beyond_untouched;
-        "msg.receiver_not_ready_waits", "3", OpSet::SEND => receiver_not_ready;
+        "msg.receiver_not_ready_waits", "3", OpSet::SEND | OpSet::RNR_WAIT => receiver_not_ready;
         "msg.longer_than_receive", "3", OpSet::SEND => too_long;
         "msg.send_with_immediate", "3", OpSet::SEND_IMM => send_imm;
         "msg.gather_and_scatter_lists", "3", OpSet::SEND => gather_scatter;
         "msg.gather_list_over_max", "3", OpSet::SEND => sge_over_max;
         "msg.zero_byte_message", "3", OpSet::SEND => zero_byte;
-        "msg.inline_buffer_free_at_once", "3", OpSet::SEND | OpSet::INLINE => inline_free;
+        "msg.inline_buffer_free_at_once", "3", OpSet::SEND | OpSet::INLINE | OpSet::RNR_WAIT => inline_free;
         "msg.inline_over_max", "3", OpSet::SEND | OpSet::INLINE => inline_over_max;
         "msg.two_processes", "3", OpSet::SEND => two_processes;
     }

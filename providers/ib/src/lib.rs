@@ -137,6 +137,7 @@ impl Flavor for Ib {
             min_rnr_timer: Some(12),
             infer_terminate: false,
             length_as_malformed_wqe: dev.vendor_id == SOFT_ROCE_VENDOR_ID,
+            read_protection: true,
             unsupported,
             emulated: Vec::new(),
         }

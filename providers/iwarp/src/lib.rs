@@ -159,6 +159,15 @@ impl Flavor for Iwarp {
         unsupported.insert("COMPARE_SWAP".to_string(), atomics.to_string());
         unsupported.insert("SEND_IMM".to_string(), imm.to_string());
         unsupported.insert("WRITE_IMM".to_string(), imm.to_string());
+        // The kernel's soft-iWARP answers reads of any valid key (siw_qp_tx.c builds Read
+        // Responses with siw_check_sgl_tx(pd, wqe, 0): key and bounds, no access right).
+        let read_protection = dev.vendor_id != SIW_VENDOR_ID;
+        if !read_protection {
+            unsupported.insert(
+                "READ_PROTECTION".to_string(),
+                "siw (Linux soft-iWARP) does not check REMOTE_READ when it answers an RDMA Read (siw_qp_tx.c: siw_check_sgl_tx(pd, wqe, 0)); any valid key is readable".to_string(),
+            );
+        }
         let split = dev.max_sge_rd < dev.max_sge;
         let emu = |feature: &str, ops: OpSet, how: &str| Emulation {
             feature: feature.into(),
@@ -186,6 +195,7 @@ impl Flavor for Iwarp {
             min_rnr_timer: None,
             infer_terminate: true,
             length_as_malformed_wqe: false,
+            read_protection,
             unsupported,
             emulated,
         }
@@ -195,6 +205,9 @@ impl Flavor for Iwarp {
         "no iWARP device (no RDMA device with iWARP transport)".into()
     }
 }
+
+/// IEEE vendor id the kernel's soft-iWARP reports ("bmt").
+const SIW_VENDOR_ID: u32 = 0x626d74;
 
 #[cfg(test)]
 mod tests {

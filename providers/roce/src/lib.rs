@@ -195,6 +195,7 @@ impl Flavor for Roce {
             min_rnr_timer: Some(12),
             infer_terminate: false,
             length_as_malformed_wqe: dev.vendor_id == SOFT_ROCE_VENDOR_ID,
+            read_protection: true,
             unsupported,
             emulated: Vec::new(),
         }

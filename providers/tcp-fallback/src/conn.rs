@@ -430,6 +430,14 @@ impl Conn {
             }
             SendOp::Atomic { result, remote, op } => {
                 self.need_feature(features::ATOMICS, "64-bit atomics")?;
+                // Refused at post, as rxe refuses it (validate_send_wr: -EINVAL); the
+                // target still checks, for peers that do not.
+                if remote.addr % 8 != 0 {
+                    return Err(Error::invalid(format!(
+                        "atomic target {:#x} is not 8-byte aligned",
+                        remote.addr
+                    )));
+                }
                 if result.len() != 8 {
                     return Err(Error::invalid(format!(
                         "atomic result buffer must be 8 bytes, got {}",

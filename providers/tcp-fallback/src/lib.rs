@@ -126,7 +126,7 @@ fn capabilities() -> Capabilities {
             emu("atomics", OpSet::ATOMICS, "executed at the target on AtomicU64 (RFC 7306-style extension, peers of this framework only)"),
             emu("immediate data", OpSet::SEND_IMM | OpSet::WRITE_IMM, "RFC 7306-style Immediate Data extension (peers of this framework only)"),
             emu("delivery-complete writes", OpSet::WRITE, "target acknowledges each message once placed (extension)"),
-            emu("receiver not ready", OpSet::SEND, "target buffers up to 8 MiB of unmatched sends, then TCP back-pressure"),
+            emu("receiver not ready", OpSet::RNR_WAIT, "target buffers up to 8 MiB of unmatched sends, then TCP back-pressure"),
         ],
         unsupported: BTreeMap::new(),
     }
@@ -398,6 +398,24 @@ impl spi::Endpoint for TcpEndpoint {
             );
         }
         v
+    }
+    fn ops(&self) -> OpSet {
+        use wire::mpa::features as f;
+        let n = self.conn.neg.features;
+        let mut ops =
+            OpSet::SEND | OpSet::WRITE | OpSet::READ | OpSet::INLINE | OpSet::READ_PROTECTION;
+        if n & f::ATOMICS != 0 {
+            ops |= OpSet::ATOMICS;
+        }
+        if n & f::IMMEDIATE != 0 {
+            ops |= OpSet::SEND_IMM | OpSet::WRITE_IMM;
+        }
+        // Sends wait for a receive only when the target buffers them and says when they
+        // landed; a foreign iWARP target refuses a send it has no receive for (Terminate).
+        if n & f::ACKS != 0 {
+            ops |= OpSet::RNR_WAIT;
+        }
+        ops
     }
     fn close(&self) -> Result<()> {
         self.conn.close();

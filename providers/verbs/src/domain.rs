@@ -203,7 +203,11 @@ fn pieces(dev: &DeviceFacts, p: &Profile) -> usize {
 }
 
 fn ops_of(p: &Profile, limits: &Limits) -> OpSet {
-    let mut ops = OpSet::SEND | OpSet::WRITE | OpSet::READ;
+    // RC retries receiver-not-ready forever (rnr_retry 7); iWARP holds sends for credits.
+    let mut ops = OpSet::SEND | OpSet::WRITE | OpSet::READ | OpSet::RNR_WAIT;
+    if p.read_protection {
+        ops |= OpSet::READ_PROTECTION;
+    }
     if limits.max_inline > 0 {
         ops |= OpSet::INLINE;
     }
@@ -1167,6 +1171,7 @@ mod tests {
             min_rnr_timer: None,
             infer_terminate: true,
             length_as_malformed_wqe: false,
+            read_protection: false,
             unsupported: BTreeMap::new(),
             emulated: Vec::new(),
         };
@@ -1176,7 +1181,7 @@ mod tests {
         assert!(l.max_send_queue as usize * 6 + CREDIT_SLOTS <= 32768);
         assert_eq!(
             ops_of(&p, &l),
-            OpSet::SEND | OpSet::WRITE | OpSet::READ | OpSet::INLINE
+            OpSet::SEND | OpSet::WRITE | OpSet::READ | OpSet::INLINE | OpSet::RNR_WAIT
         );
         p.credits = false;
         p.delivery_reads = false;

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use fabric_api::spi::Endpoint;
 use fabric_api::{
-    Access, AtomicOp, Buffer, Completion, EndpointState, Error, ErrorKind, Opcode, ProviderCode,
-    RecvWr, RegionRef, Result, SendFlags, SendOp, SendWr, Slice, Status,
+    Access, AtomicOp, Buffer, Completion, EndpointState, Error, ErrorKind, OpSet, Opcode,
+    ProviderCode, RecvWr, RegionRef, Result, SendFlags, SendOp, SendWr, Slice, Status,
 };
 
 use crate::cq::{CqInner, CqState};
@@ -1354,6 +1354,16 @@ impl<F: Flavor> Endpoint for VerbsEndpoint<F> {
             .iter()
             .map(|e| format!("{}: {}", e.feature, e.how))
             .collect()
+    }
+    fn ops(&self) -> OpSet {
+        let ops = self.core.dom.info.caps.ops;
+        // Without the peer's credits (it is not of this framework) a send that finds no
+        // posted receive is fatal on iWARP.
+        if self.core.dom.profile.credits && self.core.credit.is_none() {
+            ops - OpSet::RNR_WAIT
+        } else {
+            ops
+        }
     }
     fn close(&self) -> Result<()> {
         self.core.close();

@@ -145,6 +145,10 @@ pub struct Profile {
     /// `RemoteInvalidRequest` for a Send), keeping the raw `IBV_WC_WR_FLUSH_ERR`; the rest
     /// complete `Flushed`.
     pub infer_terminate: bool,
+    /// The device refuses remote reads of regions registered without REMOTE_READ. The
+    /// kernel's siw does not: it builds Read Responses with `siw_check_sgl_tx(pd, wqe, 0)`
+    /// (siw_qp_tx.c), which checks the key and bounds but no access right.
+    pub read_protection: bool,
     /// Operations declared unsupported, with the reason.
     pub unsupported: BTreeMap<String, String>,
     /// What the core emulates on this transport.
