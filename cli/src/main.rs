@@ -153,11 +153,12 @@ fn conformance(
     };
     let exe = std::env::current_exe()
         .map_err(|e| format!("cannot find own executable for peer processes: {e}"))?;
-    let interactive = matches!(format, Format::Text);
+    // Progress on stderr whatever the format: stdout carries only the report.
     let report = fabric_conformance::run(&providers, filter, Some(exe), |r| {
-        if interactive {
-            eprintln!("{:<11} {:<6} {}", r.outcome, r.provider, r.name);
-        }
+        eprintln!(
+            "{:<11} {:<9} {:<44} {:>6.1}s",
+            r.outcome, r.provider, r.name, r.seconds
+        );
     });
     if report.cases.is_empty() {
         return Err(format!(
@@ -190,7 +191,12 @@ fn report(file: &Path, format: Format, require_device: &[String]) -> Result<Exit
     let missing: Vec<&fabric_conformance::CaseResult> = report
         .cases
         .iter()
-        .filter(|c| c.outcome == "no-device" && require_device.contains(&c.provider))
+        .filter(|c| {
+            c.outcome == "no-device"
+                && c.provider
+                    .split('>')
+                    .any(|p| require_device.iter().any(|r| r == p))
+        })
         .collect();
     if let Some(c) = missing.first() {
         eprintln!(

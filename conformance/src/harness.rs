@@ -555,22 +555,29 @@ pub fn run_case(ctx: &Ctx, case: &Case) -> CaseResult {
         });
     let outcome = if let Some(reason) = unavailable {
         Outcome::NoDevice(reason)
-    } else if let Some(gated) = gate(ctx, case.needs, info.caps.ops & target_info.caps.ops) {
-        gated
     } else {
+        // Gating connects a probe pair: it runs under the same watchdog as the case body.
         let (tx, rx) = mpsc::channel();
         let c2 = ctx.clone();
-        let body = case.run;
+        let case = *case;
+        let declared = info.caps.ops & target_info.caps.ops;
         std::thread::Builder::new()
             .name(format!("case {}", case.name))
             .spawn(move || {
-                let r = std::panic::catch_unwind(AssertUnwindSafe(|| body(&c2)));
+                let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    match gate(&c2, case.needs, declared) {
+                        Some(outcome) => outcome,
+                        None => match (case.run)(&c2) {
+                            Ok(()) => Outcome::Pass,
+                            Err(msg) => Outcome::Fail(msg),
+                        },
+                    }
+                }));
                 let _ = tx.send(r);
             })
             .expect("spawn case thread");
         match rx.recv_timeout(CASE_LIMIT) {
-            Ok(Ok(Ok(()))) => Outcome::Pass,
-            Ok(Ok(Err(msg))) => Outcome::Fail(msg),
+            Ok(Ok(outcome)) => outcome,
             Ok(Err(panic)) => Outcome::Fail(format!(
                 "panicked: {}",
                 panic
