@@ -24,7 +24,7 @@ pub(super) fn cases() -> Vec<Case> {
         "cq.recv_queue_full", "6", OpSet::SEND => recv_queue_full;
         "cq.wait_times_out", "6", OpSet::empty() => wait_times_out;
         "cq.wait_wakes_on_completion", "6", OpSet::SEND => wait_wakes;
-        "cq.poll_non_blocking", "6", OpSet::SEND => poll_non_blocking;
+        "cq.poll_non_blocking", "6", OpSet::SEND | OpSet::RNR_WAIT => poll_non_blocking;
         "cq.error_keeps_provider_code", "6", OpSet::WRITE => provider_code;
     }
 }

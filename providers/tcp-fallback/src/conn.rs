@@ -1080,7 +1080,13 @@ impl Conn {
                         let mut b = vec![0u8; len.min(256)];
                         r.read_payload(&mut b)?;
                         r.discard(len - b.len())?;
-                        let t = Terminate::decode(&b).map_err(wire_violation)?;
+                        // Peers of this framework follow RFC 5040; others may be siw.
+                        let t = if self.neg.features == 0 {
+                            Terminate::decode_foreign(&b)
+                        } else {
+                            Terminate::decode(&b)
+                        }
+                        .map_err(wire_violation)?;
                         Err(RxEnd::PeerTerminate(t))
                     }
                     (qn::ATOMIC, opcode::ATOMIC_REQUEST)

@@ -121,9 +121,17 @@ pub(crate) fn initiate(
         crc: rep.crc,
         ord: our_ord(setup.enhanced),
         revision: rep.revision,
-        peer_private: setup.user,
+        peer_private: app_data(setup.user),
         expect_send_rtr: false,
     })
+}
+
+/// The peer's application private data, unwrapped from the verbs providers' frame.
+fn app_data(user: Vec<u8>) -> Vec<u8> {
+    match mpa::verbs_frame_app_data(&user) {
+        Some(app) => app.to_vec(),
+        None => user,
+    }
 }
 
 fn reject_reason(pd: &[u8]) -> String {
@@ -229,7 +237,7 @@ pub(crate) fn respond(
         crc,
         ord: our_ord(setup.enhanced),
         revision,
-        peer_private: setup.user,
+        peer_private: app_data(setup.user),
         expect_send_rtr,
     })
 }

@@ -531,6 +531,31 @@ impl Terminate {
         })
     }
 
+    /// Decodes a Terminate from a peer that is not of this framework. The kernel's siw
+    /// fills the first byte through bitfields declared layer-first for little-endian hosts
+    /// (`iwarp.h`, `struct iwarp_terminate`), so on x86 its layer lands in the low nibble
+    /// and its error type in the high one, the reverse of RFC 5040. Of the two readings,
+    /// the one that names a defined layer and error type wins; if both do, the one with a
+    /// specific error type over "catastrophic" (0); if still tied, RFC 5040's.
+    pub fn decode_foreign(b: &[u8]) -> Result<Self, WireError> {
+        let rfc = Self::decode(b)?;
+        let swapped = Terminate {
+            layer: rfc.etype,
+            etype: rfc.layer,
+            ecode: rfc.ecode,
+        };
+        let defined = |t: &Terminate| match t.layer {
+            0 | 1 => t.etype <= 2,
+            2 => t.etype == 0,
+            _ => false,
+        };
+        Ok(match (defined(&rfc), defined(&swapped)) {
+            (false, true) => swapped,
+            (true, true) if rfc.etype == 0 && swapped.etype != 0 => swapped,
+            _ => rfc,
+        })
+    }
+
     /// The neutral error the initiator reports for a Terminate from its peer.
     pub fn error_kind(&self) -> fabric_api::ErrorKind {
         use fabric_api::ErrorKind as K;
@@ -626,6 +651,25 @@ mod tests {
         assert_eq!(AtomicRequest::decode(&a.encode()).unwrap(), a);
         let t = term::MSG_TOO_LONG;
         assert_eq!(Terminate::decode(&t.encode()).unwrap(), t);
+        // siw on x86: layer in the low nibble. RDMAP protection / base-bounds arrives as
+        // 0x10 0x01; DDP untagged arrives as 0x21.
+        assert_eq!(
+            Terminate::decode_foreign(&[0x10, 0x01, 0, 0]).unwrap(),
+            term::BASE_BOUNDS
+        );
+        assert_eq!(
+            Terminate::decode_foreign(&[0x21, 0x05, 0, 0]).unwrap(),
+            term::MSG_TOO_LONG
+        );
+        // RFC-ordered codes from other peers keep their meaning.
+        for t in [
+            term::INVALID_STAG,
+            term::MSG_TOO_LONG,
+            term::DDP_INVALID_STAG,
+            term::ACCESS_RIGHTS,
+        ] {
+            assert_eq!(Terminate::decode_foreign(&t.encode()).unwrap(), t);
+        }
         assert_eq!(t.error_kind(), fabric_api::ErrorKind::RemoteInvalidRequest);
         assert_eq!(
             term::BASE_BOUNDS.error_kind(),
