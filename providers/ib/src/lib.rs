@@ -11,21 +11,17 @@
 
 pub mod addr;
 
-use std::collections::BTreeMap;
-
 use fabric_api::ProviderInfo;
 use fabric_verbs::{DeviceFacts, Flavor, LinkLayer, Profile, Selection, Transport};
 
 pub use fabric_verbs::VerbsOptions;
 
-/// The vendor id soft-RoCE (rxe) reports.
-pub const SOFT_ROCE_VENDOR_ID: u32 = 0x00ff_ffff;
+pub use fabric_verbs::SOFT_ROCE_VENDOR_ID;
 
 /// Provider name.
 pub const NAME: &str = "ib";
 
-/// Private data of an InfiniBand CM REQ for rdma_cm's TCP port space.
-pub const CM_PRIVATE_DATA: u32 = 56;
+pub use fabric_verbs::IB_CM_PRIVATE_DATA as CM_PRIVATE_DATA;
 
 /// The InfiniBand flavor of the verbs core.
 #[derive(Debug, Clone, Copy, Default)]
@@ -115,32 +111,7 @@ impl Flavor for Ib {
     }
 
     fn profile(dev: &DeviceFacts) -> Profile {
-        let mut unsupported = BTreeMap::new();
-        if !dev.has_atomics() {
-            for op in ["FETCH_ADD", "COMPARE_SWAP"] {
-                unsupported.insert(
-                    op.to_string(),
-                    format!("{} reports atomic_cap ATOMIC_NONE", dev.name),
-                );
-            }
-        }
-        Profile {
-            atomics: dev.has_atomics(),
-            immediate: true,
-            credits: false,
-            delivery_reads: false,
-            split_reads: false,
-            sink_remote_write: false,
-            transport_private_data: CM_PRIVATE_DATA,
-            rnr_retry: 7,
-            retry: 7,
-            min_rnr_timer: Some(12),
-            infer_terminate: false,
-            length_as_malformed_wqe: dev.vendor_id == SOFT_ROCE_VENDOR_ID,
-            read_protection: true,
-            unsupported,
-            emulated: Vec::new(),
-        }
+        Profile::ib_transport(dev)
     }
 
     fn no_device() -> String {

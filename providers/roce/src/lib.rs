@@ -16,7 +16,6 @@
 //! (`atomic_cap`), immediate data, error and flush semantics.
 #![forbid(unsafe_code)]
 
-use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use fabric_api::ProviderInfo;
@@ -26,15 +25,12 @@ use fabric_verbs::{
 
 pub use fabric_verbs::VerbsOptions;
 
-/// The vendor id soft-RoCE (rxe) reports.
-pub const SOFT_ROCE_VENDOR_ID: u32 = 0x00ff_ffff;
+pub use fabric_verbs::SOFT_ROCE_VENDOR_ID;
 
 /// Provider name.
 pub const NAME: &str = "roce";
 
-/// Private data an InfiniBand CM REQ carries for rdma_cm's TCP port space (92 bytes less
-/// rdma_cm's 36-byte header); the REP carries more, so the REQ bounds both.
-pub const CM_PRIVATE_DATA: u32 = 56;
+pub use fabric_verbs::IB_CM_PRIVATE_DATA as CM_PRIVATE_DATA;
 
 /// The RoCE flavor of the verbs core.
 #[derive(Debug, Clone, Copy, Default)]
@@ -173,32 +169,7 @@ impl Flavor for Roce {
     }
 
     fn profile(dev: &DeviceFacts) -> Profile {
-        let mut unsupported = BTreeMap::new();
-        if !dev.has_atomics() {
-            for op in ["FETCH_ADD", "COMPARE_SWAP"] {
-                unsupported.insert(
-                    op.to_string(),
-                    format!("{} reports atomic_cap ATOMIC_NONE", dev.name),
-                );
-            }
-        }
-        Profile {
-            atomics: dev.has_atomics(),
-            immediate: true,
-            credits: false,
-            delivery_reads: false,
-            split_reads: false,
-            sink_remote_write: false,
-            transport_private_data: CM_PRIVATE_DATA,
-            rnr_retry: 7,
-            retry: 7,
-            min_rnr_timer: Some(12),
-            infer_terminate: false,
-            length_as_malformed_wqe: dev.vendor_id == SOFT_ROCE_VENDOR_ID,
-            read_protection: true,
-            unsupported,
-            emulated: Vec::new(),
-        }
+        Profile::ib_transport(dev)
     }
 
     fn no_device() -> String {

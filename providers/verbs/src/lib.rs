@@ -154,3 +154,44 @@ pub struct Profile {
     /// What the core emulates on this transport.
     pub emulated: Vec<Emulation>,
 }
+
+/// The vendor id soft-RoCE (rxe) reports.
+pub const SOFT_ROCE_VENDOR_ID: u32 = 0x00ff_ffff;
+
+/// Private data an InfiniBand CM REQ carries for rdma_cm's TCP port space (92 bytes less
+/// rdma_cm's 36-byte header); the REP carries more, so the REQ bounds both.
+pub const IB_CM_PRIVATE_DATA: u32 = 56;
+
+impl Profile {
+    /// The InfiniBand transport (an InfiniBand or an Ethernet link layer, RC queue pairs):
+    /// everything native, atomics as the device reports them, receiver-not-ready retried
+    /// forever.
+    pub fn ib_transport(dev: &DeviceFacts) -> Profile {
+        let mut unsupported = BTreeMap::new();
+        if !dev.has_atomics() {
+            for op in ["FETCH_ADD", "COMPARE_SWAP"] {
+                unsupported.insert(
+                    op.to_string(),
+                    format!("{} reports atomic_cap ATOMIC_NONE", dev.name),
+                );
+            }
+        }
+        Profile {
+            atomics: dev.has_atomics(),
+            immediate: true,
+            credits: false,
+            delivery_reads: false,
+            split_reads: false,
+            sink_remote_write: false,
+            transport_private_data: IB_CM_PRIVATE_DATA,
+            rnr_retry: 7,
+            retry: 7,
+            min_rnr_timer: Some(12),
+            infer_terminate: false,
+            length_as_malformed_wqe: dev.vendor_id == SOFT_ROCE_VENDOR_ID,
+            read_protection: true,
+            unsupported,
+            emulated: Vec::new(),
+        }
+    }
+}
