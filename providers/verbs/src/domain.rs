@@ -488,6 +488,7 @@ impl<F: Flavor> VerbsDomain<F> {
         cfg: &EndpointConfig<'_, VerbsCq<F>>,
         peer_private: Vec<u8>,
         credit: Option<CreditArea>,
+        sink: Option<(Arc<Buffer>, Mr)>,
         hw_sq_cap: usize,
     ) -> VerbsEndpoint<F> {
         let core = EpCore::new(EpParts {
@@ -500,6 +501,7 @@ impl<F: Flavor> VerbsDomain<F> {
             hw_sq_cap,
             peer_private,
             credit,
+            sink,
         });
         VerbsEndpoint {
             core,
@@ -909,16 +911,9 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
                 return Err(e);
             }
         };
-        let credit = match (credit, peer_credit) {
-            (Some((buf, mr)), Some(peer)) => Some(CreditArea { buf, mr, peer }),
-            (None, _) => None,
-            (Some(_), None) => {
-                tracing::warn!("peer is not of this framework (no credit area): no credit flow control on this connection");
-                None
-            }
-        };
+        let (credit, sink) = CreditArea::pair(credit, peer_credit);
         let id = guard.id.take().expect("still held");
-        let ep = self.endpoint(id, cfg, peer_private, credit, hw_sq_cap);
+        let ep = self.endpoint(id, cfg, peer_private, credit, sink, hw_sq_cap);
         self.go_live(&ep, &mb);
         Ok(ep)
     }
@@ -984,8 +979,10 @@ impl<F: Flavor> spi::Listener for VerbsListener<F> {
                 }
             };
             match self.finish_accept(&mut id, cfg, &ev, peer_credit) {
-                Ok((mb, credit, hw_sq_cap)) => {
-                    let ep = self.dom.endpoint(id, cfg, peer_private, credit, hw_sq_cap);
+                Ok((mb, (credit, sink), hw_sq_cap)) => {
+                    let ep = self
+                        .dom
+                        .endpoint(id, cfg, peer_private, credit, sink, hw_sq_cap);
                     self.dom.go_live(&ep, &mb);
                     return Ok(ep);
                 }
@@ -1007,6 +1004,9 @@ impl<F: Flavor> spi::Listener for VerbsListener<F> {
     }
 }
 
+/// The endpoint's credit area, or (a foreign peer) our own area as a read sink.
+type CreditPair = (Option<CreditArea>, Option<(Arc<Buffer>, Mr)>);
+
 impl<F: Flavor> VerbsListener<F> {
     fn finish_accept(
         &self,
@@ -1014,7 +1014,7 @@ impl<F: Flavor> VerbsListener<F> {
         cfg: &EndpointConfig<'_, VerbsCq<F>>,
         req: &CmEvent,
         peer_credit: Option<(u64, u32)>,
-    ) -> Result<(Arc<Mailbox>, Option<CreditArea>, usize)> {
+    ) -> Result<(Arc<Mailbox>, CreditPair, usize)> {
         let d = &self.dom.inner;
         let mb = Arc::new(Mailbox::default());
         d.cm.register(id.key(), Target::Mailbox(mb.clone()));
@@ -1038,15 +1038,7 @@ impl<F: Flavor> VerbsListener<F> {
             "accepting a connection",
             cfg.timeout,
         )?;
-        let credit = match (credit, peer_credit) {
-            (Some((buf, mr)), Some(peer)) => Some(CreditArea { buf, mr, peer }),
-            (None, _) => None,
-            (Some(_), None) => {
-                tracing::warn!("peer is not of this framework (no credit area): no credit flow control on this connection");
-                None
-            }
-        };
-        Ok((mb, credit, hw_sq_cap))
+        Ok((mb, CreditArea::pair(credit, peer_credit), hw_sq_cap))
     }
 }
 

@@ -83,6 +83,23 @@ impl CreditArea {
         self.word(credit::CLOSED) != 0
     }
 
+    /// Our area and the peer's; with a peer not of this framework (no credit area in its
+    /// private data) no credits, and our area kept only as the sink of delivery reads.
+    #[allow(clippy::type_complexity)]
+    pub fn pair(
+        local: Option<(Arc<Buffer>, Mr)>,
+        peer: Option<(u64, u32)>,
+    ) -> (Option<CreditArea>, Option<(Arc<Buffer>, Mr)>) {
+        match (local, peer) {
+            (Some((buf, mr)), Some(peer)) => (Some(CreditArea { buf, mr, peer }), None),
+            (None, _) => (None, None),
+            (Some(local), None) => {
+                tracing::warn!("peer is not of this framework (no credit area): no credit flow control on this connection; delivery reads of zero length");
+                (None, Some(local))
+            }
+        }
+    }
+
     /// Encodes our area for the peer (private data): addr, key.
     pub fn encode(buf: &Buffer, mr: &Mr) -> [u8; 12] {
         let mut b = [0u8; 12];
@@ -195,6 +212,9 @@ pub(crate) struct EpCore {
     pub peer: SocketAddr,
     pub peer_private: Vec<u8>,
     pub credit: Option<CreditArea>,
+    /// A peer not of this framework (no credit area): our own area, the sink of the
+    /// zero-length delivery reads.
+    sink: Option<(Arc<Buffer>, Mr)>,
     st: Mutex<Ledger>,
 }
 
@@ -245,6 +265,7 @@ pub(crate) struct EpParts {
     pub hw_sq_cap: usize,
     pub peer_private: Vec<u8>,
     pub credit: Option<CreditArea>,
+    pub sink: Option<(Arc<Buffer>, Mr)>,
 }
 
 impl EpCore {
@@ -269,6 +290,7 @@ impl EpCore {
             peer,
             peer_private: p.peer_private,
             credit: p.credit,
+            sink: p.sink,
             st: Mutex::new(Ledger {
                 status: EndpointState::Connected,
                 torn_down: false,
@@ -377,7 +399,25 @@ impl EpCore {
     }
 
     fn delivery_read(&self) -> Option<HwWr> {
-        let c = self.credit.as_ref()?;
+        let Some(c) = self.credit.as_ref() else {
+            // A peer not of this framework: a zero-length RDMA Read (remote address 0,
+            // STag 0). RDMAP orders a Read Request behind the messages before it, so its
+            // response confirms their delivery; it names no memory on either side. One
+            // entry of length 0 in our own area rather than none: siw takes the sink
+            // STag from the first entry even when there is none.
+            let (buf, mr) = self.sink.as_ref()?;
+            return Some(HwWr {
+                wr_id: 0,
+                op: HwOp::Read { addr: 0, rkey: 0 },
+                sges: vec![Sge {
+                    addr: buf.addr() + credit::SCRATCH as u64,
+                    len: 0,
+                    lkey: mr.lkey(),
+                }],
+                inline: None,
+                fence: false,
+            });
+        };
         Some(HwWr {
             wr_id: 0,
             op: HwOp::Read {
