@@ -1186,21 +1186,7 @@ impl Conn {
                     *overflow = true;
                     r.discard(len)?;
                 } else {
-                    let mut at = *got;
-                    let mut left = len;
-                    for (b, off, slen) in &recv.sges {
-                        if left == 0 {
-                            break;
-                        }
-                        if at >= *slen {
-                            at -= slen;
-                            continue;
-                        }
-                        let take = (slen - at).min(left);
-                        b.with_slice_mut(off + at, take, |s| r.read_payload(s))?;
-                        left -= take;
-                        at = 0;
-                    }
+                    r.read_into(&recv.sges, *got, len)?;
                 }
                 *got += len;
             }
@@ -1384,7 +1370,8 @@ impl Conn {
                 }
             }
         }
-        let sges = r.read_cache.as_ref().expect("cached").1.clone();
+        // Taken out of the cache for the segment and put back after: no copy per segment.
+        let (cached_stag, sges) = r.read_cache.take().expect("cached");
         let total: usize = sges.iter().map(|s| s.2).sum();
         if total == 0 && len > 0 {
             // The kernel's siw answers a zero-length Read it serves from its IRQ with the
@@ -1407,22 +1394,10 @@ impl Conn {
                 format!("Read Response of {len} bytes at {to} overruns a {total}-byte sink"),
             ));
         }
-        let (mut at, mut left) = (to as usize, len);
-        for (b, off, slen) in &sges {
-            if left == 0 {
-                break;
-            }
-            if at >= *slen {
-                at -= slen;
-                continue;
-            }
-            let take = (slen - at).min(left);
-            b.with_slice_mut(off + at, take, |s| r.read_payload(s))?;
-            left -= take;
-            at = 0;
-        }
-        if last {
-            r.read_cache = None;
+        r.read_into(&sges, to as usize, len)?;
+        if !last {
+            r.read_cache = Some((cached_stag, sges));
+        } else {
             let mut st = self.lock();
             st.read_sinks.remove(&stag);
             self.response_unit(&mut st, Unit::ReadDone(stag))?;
@@ -1558,6 +1533,24 @@ impl Rx {
         self.reader.read_exact(dst)?;
         if let Some(c) = self.crc.as_mut() {
             *c = crc32c::crc32c_append(*c, dst);
+        }
+        Ok(())
+    }
+
+    /// Reads `len` payload bytes into the scatter list `sges`, starting `at` bytes into it.
+    fn read_into(&mut self, sges: &Sges, mut at: usize, mut len: usize) -> io::Result<()> {
+        for (b, off, slen) in sges {
+            if len == 0 {
+                break;
+            }
+            if at >= *slen {
+                at -= slen;
+                continue;
+            }
+            let take = (slen - at).min(len);
+            b.with_slice_mut(off + at, take, |s| self.read_payload(s))?;
+            len -= take;
+            at = 0;
         }
         Ok(())
     }

@@ -126,11 +126,16 @@ impl Cm {
     /// Like [`Cm::reap`] for an identifier a helper thread may still hold: whoever drops
     /// the last reference destroys it, never the caller's thread.
     pub fn reap_shared(&self, id: Arc<CmId>) {
+        self.drop_in_background(id);
+    }
+
+    /// Drops `victim` on a thread of its own that also keeps the event channel alive.
+    fn drop_in_background<T: Send + 'static>(&self, victim: T) {
         let keep = self.shared.clone();
         let r = std::thread::Builder::new()
             .name("fabric-cm-reap".into())
             .spawn(move || {
-                drop(id);
+                drop(victim);
                 drop(keep);
             });
         if let Err(e) = r {
@@ -144,16 +149,7 @@ impl Cm {
     pub fn reap(&self, id: CmId) {
         self.unregister(id.key());
         id.destroy_qp();
-        let keep = self.shared.clone();
-        let r = std::thread::Builder::new()
-            .name("fabric-cm-reap".into())
-            .spawn(move || {
-                drop(id);
-                drop(keep);
-            });
-        if let Err(e) = r {
-            tracing::warn!("cannot start a thread to destroy a connection identifier: {e}");
-        }
+        self.drop_in_background(id);
     }
 }
 

@@ -821,23 +821,11 @@ impl EpCore {
             if !recs.is_empty() {
                 tracing::debug!(qp = self.qpn, n = recs.len(), "device did not flush these send-queue requests: the provider completes them Flushed");
             }
-            for r in recs {
-                if r.wr.is_some() {
-                    l.pending -= 1;
-                } else if r.failed.is_none() {
+            for mut r in recs {
+                if r.wr.is_none() && r.failed.is_none() {
                     l.hw_sq -= 1;
                 }
-                if r.internal {
-                    self.send_cq.release_internal(1);
-                }
-                if let Some(u) = r.user {
-                    l.user_sq -= 1;
-                    let e = r
-                        .group_err
-                        .or(r.failed)
-                        .unwrap_or((ErrorKind::Flushed, None));
-                    self.push_user(&self.send_cq, &mut cst, u, Some(e));
-                }
+                self.retire(&mut l, &mut cst, &mut r);
                 l.graveyard.extend(r._holds);
             }
             self.send_cq.notify();
@@ -1166,6 +1154,28 @@ impl EpCore {
         }
     }
 
+    /// Retires a send-queue record the device will never complete: gives back its ledger
+    /// and completion-queue slots and reports its application request (Flushed, or the
+    /// error of its group). Returns whether an application completion was pushed.
+    fn retire(&self, l: &mut Ledger, cst: &mut CqState, r: &mut SqRec) -> bool {
+        if r.wr.is_some() {
+            l.pending -= 1;
+        }
+        if r.internal {
+            self.send_cq.release_internal(1);
+        }
+        let Some(u) = r.user.take() else {
+            return false;
+        };
+        l.user_sq -= 1;
+        let e = r
+            .group_err
+            .or(r.failed)
+            .unwrap_or((ErrorKind::Flushed, None));
+        self.push_user(&self.send_cq, cst, u, Some(e));
+        true
+    }
+
     /// Completes records that never reached the device, once everything posted before
     /// them has completed: Flushed when the endpoint is dead, else their post error.
     /// Called with the send CQ's lock held.
@@ -1179,20 +1189,8 @@ impl EpCore {
             if front.failed.is_none() && !dead {
                 break;
             }
-            let r = l.sq.pop_front().expect("front exists");
-            if r.wr.is_some() {
-                l.pending -= 1;
-            }
-            if r.internal {
-                self.send_cq.release_internal(1);
-            }
-            if let Some(u) = r.user {
-                l.user_sq -= 1;
-                let e = r
-                    .group_err
-                    .or(r.failed)
-                    .unwrap_or((ErrorKind::Flushed, None));
-                self.push_user(&self.send_cq, cst, u, Some(e));
+            let mut r = l.sq.pop_front().expect("front exists");
+            if self.retire(l, cst, &mut r) {
                 any = true;
             } else if let Some(e) = r.failed {
                 if r.grouped {
