@@ -15,6 +15,7 @@ pub mod caps;
 pub mod error;
 #[allow(unsafe_code)]
 pub mod mem;
+pub mod pdata;
 pub mod region;
 pub mod spi;
 pub mod wr;

@@ -4,10 +4,11 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::marker::PhantomData;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use fabric_api::pdata;
 use fabric_api::spi::{self, EndpointConfig};
 use fabric_api::{
     Access, Availability, Buffer, Capabilities, DeviceInfo, Error, ErrorKind, Limits, MemoryRegion,
@@ -19,17 +20,11 @@ use crate::cq::{CqInner, VerbsCq};
 use crate::device::{self, DeviceFacts};
 use crate::ep::{CreditArea, EpCore, EpParts, VerbsEndpoint};
 use crate::ffi::{self, access, cm_event, CmEvent, CmId, ConnParam, Ctx, HwCq, Mr, Pd, QpCaps};
-use crate::{Flavor, Profile, Selection, VerbsOptions};
+use crate::{Flavor, Profile, Selection, Transport, VerbsOptions};
 
 /// The peer's credit area: address and key.
 type PeerArea = (u64, u32);
 
-/// First byte of the core's private-data header.
-const PD_MAGIC: u8 = 0xfb;
-/// Header: magic, application length.
-const PD_HEADER: usize = 2;
-/// Size of an iWARP credit-area descriptor in the private data.
-const PD_CREDIT: usize = 12;
 /// Completion-queue entries the provider keeps for its own requests, on top of twice the
 /// application's capacity, where the profile adds requests (iWARP).
 const INTERNAL_EXTRA: usize = 64;
@@ -37,53 +32,6 @@ const INTERNAL_EXTRA: usize = 64;
 const CREDIT_SLOTS: usize = 32;
 /// Outstanding reads/atomics asked for (capped by the device).
 const WANT_RD_ATOM: u32 = 16;
-
-/// The core's private data: magic, application length, the credit-area descriptor
-/// (iWARP), then the application's bytes. The length byte matters: an InfiniBand CM REQ
-/// pads private data to its fixed size, so the receiver cannot tell the length otherwise.
-fn frame(app: &[u8], credit: Option<[u8; PD_CREDIT]>) -> Vec<u8> {
-    let mut v = vec![PD_MAGIC, app.len() as u8];
-    if let Some(c) = credit {
-        v.extend_from_slice(&c);
-    }
-    v.extend_from_slice(app);
-    v
-}
-
-/// Parses [`frame`]'s output (possibly padded); hostile input is a `Protocol` error.
-fn unframe(raw: &[u8], credits: bool) -> Result<(Vec<u8>, Option<PeerArea>)> {
-    let bad = |what: &str| {
-        Error::new(
-            ErrorKind::Protocol,
-            format!("peer's connection private data: {what}"),
-        )
-    };
-    if raw.first() != Some(&PD_MAGIC) {
-        // A peer that is not of this framework (perftest, another iWARP stack): its bytes
-        // are all application data, and there is no credit area.
-        return Ok((raw.to_vec(), None));
-    }
-    if raw.len() < PD_HEADER {
-        return Err(bad("truncated header"));
-    }
-    let len = usize::from(raw[1]);
-    let mut at = PD_HEADER;
-    let credit = if credits {
-        let c = CreditArea::decode(
-            raw.get(at..at + PD_CREDIT)
-                .ok_or_else(|| bad("credit area missing"))?,
-        );
-        at += PD_CREDIT;
-        c
-    } else {
-        None
-    };
-    let app = raw
-        .get(at..at + len)
-        .ok_or_else(|| bad("truncated"))?
-        .to_vec();
-    Ok((app, credit))
-}
 
 /// Everything discovery learns for one flavor: the usable device, or why there is none.
 struct Found {
@@ -167,7 +115,7 @@ fn limits_of(dev: &DeviceFacts, p: &Profile, port: u8) -> Limits {
         .find(|x| x.num == port)
         .map_or(1 << 31, |x| u64::from(x.max_msg))
         .max(1);
-    let header = PD_HEADER + if p.credits { PD_CREDIT } else { 0 };
+    let header = pdata::HEADER + if p.credits { pdata::AREA_DESC_LEN } else { 0 };
     let pieces = pieces(dev, p);
     let extra_sq = if p.credits { CREDIT_SLOTS as u32 } else { 0 };
     let (cq_div, cq_extra) = if p.delivery_reads || p.split_reads || p.credits {
@@ -372,11 +320,12 @@ impl DomainInner {
     }
 
     fn frame(&self, app: &[u8], credit: Option<&(Arc<Buffer>, Mr)>) -> Vec<u8> {
-        frame(app, credit.map(|(b, m)| CreditArea::encode(b, m)))
+        pdata::frame(app, credit.map(|(b, m)| CreditArea::desc(b, m)))
     }
 
     fn unframe(&self, raw: &[u8]) -> Result<(Vec<u8>, Option<PeerArea>)> {
-        unframe(raw, self.profile.credits)
+        let (app, area) = pdata::unframe(raw, self.profile.credits)?;
+        Ok((app, area.map(|a| (a.addr, a.stag))))
     }
 
     fn qp_caps(&self, sq: u32, rq: u32) -> QpCaps {
@@ -541,6 +490,29 @@ impl<F: Flavor> VerbsDomain<F> {
             Ok(None)
         }
     }
+}
+
+/// A local TCP port for an iWARP connection, held by a bound socket until the connection
+/// is up.
+///
+/// siw connects over a kernel TCP socket bound to the port rdma_cm picks at random from
+/// its own port space, which knows nothing of plain TCP sockets: a port held by one (the
+/// tcp provider's connections, any application's) makes `rdma_connect` fail with
+/// EADDRINUSE. Measured in the mixed tcp/iwarp conformance runs: about one connection in a
+/// few hundred. The kernel's own allocator hands out a port no TCP socket holds; the
+/// reservation is SO_REUSEADDR and never listens, so siw's bind (SO_REUSEADDR too, in
+/// `siw_connect`) shares it. `None` when no socket can be had: rdma_cm then picks.
+fn reserve_tcp_port(ip: IpAddr) -> Option<(socket2::Socket, u16)> {
+    let sock = socket2::Socket::new(
+        socket2::Domain::for_address(SocketAddr::new(ip, 0)),
+        socket2::Type::STREAM,
+        None,
+    )
+    .ok()?;
+    sock.set_reuse_address(true).ok()?;
+    sock.bind(&SocketAddr::new(ip, 0).into()).ok()?;
+    let port = sock.local_addr().ok()?.as_socket()?.port();
+    Some((sock, port))
 }
 
 fn unreachable_err(addr: SocketAddr, e: std::io::Error) -> Error {
@@ -771,9 +743,22 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
             id.set_tos(tos)
                 .map_err(|e| Error::new(ErrorKind::Config, format!("traffic class {tos}: {e}")))?;
         }
-        let src = d.sel.addr.map(|ip| SocketAddr::new(ip, 0));
-        id.resolve_addr(src, addr, left())
-            .map_err(|e| unreachable_err(addr, e))?;
+        // Held until the connection is up or failed (dropped with this function's frame).
+        let reserved = match (d.dev.transport, d.sel.addr) {
+            (Transport::Iwarp, Some(ip)) => reserve_tcp_port(ip),
+            _ => None,
+        };
+        let port = reserved.as_ref().map_or(0, |r| r.1);
+        let src = d.sel.addr.map(|ip| SocketAddr::new(ip, port));
+        match id.resolve_addr(src, addr, left()) {
+            // rdma_cm's own port space holds the port: let it pick one.
+            Err(e) if port != 0 && e.raw_os_error() == Some(libc::EADDRINUSE) => {
+                tracing::debug!(port, "rdma_cm holds the reserved port; it picks one");
+                id.resolve_addr(src.map(|s| SocketAddr::new(s.ip(), 0)), addr, left())
+            }
+            r => r,
+        }
+        .map_err(|e| unreachable_err(addr, e))?;
         expect(
             &mb,
             deadline,
@@ -1096,42 +1081,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn private_data_round_trips_with_padding_and_rejects_hostile_bytes() {
-        let mut raw = frame(b"from the client", None);
-        raw.resize(56, 0); // an InfiniBand CM REQ pads to its fixed size
-        let (app, c) = unframe(&raw, false).unwrap();
-        assert_eq!((app.as_slice(), c), (&b"from the client"[..], None));
-        let mut area = [0u8; PD_CREDIT];
-        area[..8].copy_from_slice(&0x1234_5678_9abc_def0u64.to_be_bytes());
-        area[8..].copy_from_slice(&0xfeed_beefu32.to_be_bytes());
-        let raw = frame(b"x", Some(area));
-        assert_eq!(
-            unframe(&raw, true).unwrap(),
-            (b"x".to_vec(), Some((0x1234_5678_9abc_def0, 0xfeed_beef)))
-        );
-        assert_eq!(
-            unframe(&frame(b"", None), false).unwrap().0,
-            Vec::<u8>::new()
-        );
-        for hostile in [&[PD_MAGIC][..], &[PD_MAGIC, 200, 1, 2]] {
-            assert_eq!(
-                unframe(hostile, false).unwrap_err().kind(),
-                ErrorKind::Protocol
-            );
-        }
-        // A foreign peer's private data is all application data.
-        assert_eq!(
-            unframe(b"GET / HTTP/1.1", true).unwrap(),
-            (b"GET / HTTP/1.1".to_vec(), None)
-        );
-        assert_eq!(unframe(b"", false).unwrap(), (Vec::new(), None));
-        assert_eq!(
-            unframe(&frame(b"abc", None), true).unwrap_err().kind(),
-            ErrorKind::Protocol
-        );
-    }
-
-    #[test]
     fn limits_leave_room_for_the_header_and_the_provider_requests() {
         let dev = DeviceFacts {
             name: "siw0".into(),
@@ -1168,7 +1117,10 @@ mod tests {
             emulated: Vec::new(),
         };
         let l = limits_of(&dev, &p, 1);
-        assert_eq!(l.max_private_data as usize, 248 - PD_HEADER - PD_CREDIT);
+        assert_eq!(
+            l.max_private_data as usize,
+            248 - pdata::HEADER - pdata::AREA_DESC_LEN
+        );
         assert_eq!(pieces(&dev, &p), 6);
         assert!(l.max_send_queue as usize * 6 + CREDIT_SLOTS <= 32768);
         assert_eq!(

@@ -15,6 +15,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+// Byte offsets in the iWARP credit area (shared with the tcp provider).
+use fabric_api::pdata::{self, area as credit};
 use fabric_api::spi::Endpoint;
 use fabric_api::{
     Access, AtomicOp, Buffer, Completion, EndpointState, Error, ErrorKind, OpSet, Opcode,
@@ -30,16 +32,16 @@ use crate::{Flavor, Transport};
 /// Receive requests carry this bit in their `wr_id`.
 const RECV_BIT: u64 = 1 << 63;
 
-/// Byte offsets in the iWARP credit area.
-mod credit {
-    /// The peer's count of receives it ever posted (written by the peer).
-    pub const POSTED: usize = 0;
-    /// Non-zero once the peer closed gracefully (written by the peer).
-    pub const CLOSED: usize = 8;
-    /// Sink of our delivery reads.
-    pub const SCRATCH: usize = 16;
-    /// Size of the area.
-    pub const LEN: usize = 64;
+/// A word of one of our credit areas, written by the peer's device.
+fn area_word(buf: &Buffer, off: usize) -> u64 {
+    let w = buf.atomic_u64(off).expect("aligned word");
+    // The peer's device writes the word with a copy: read until two reads agree.
+    loop {
+        let a = w.load(Ordering::Acquire);
+        if w.load(Ordering::Acquire) == a {
+            return a;
+        }
+    }
 }
 
 /// The iWARP credit area: a small region the peer writes into, and the peer's own.
@@ -63,14 +65,7 @@ impl CreditArea {
     }
 
     fn word(&self, off: usize) -> u64 {
-        let w = self.buf.atomic_u64(off).expect("aligned word");
-        // The peer's device writes the word with a copy: read until two reads agree.
-        loop {
-            let a = w.load(Ordering::Acquire);
-            if w.load(Ordering::Acquire) == a {
-                return a;
-            }
-        }
+        area_word(&self.buf, off)
     }
 
     /// The peer's posted-receive count.
@@ -100,23 +95,12 @@ impl CreditArea {
         }
     }
 
-    /// Encodes our area for the peer (private data): addr, key.
-    pub fn encode(buf: &Buffer, mr: &Mr) -> [u8; 12] {
-        let mut b = [0u8; 12];
-        b[..8].copy_from_slice(&buf.addr().to_be_bytes());
-        b[8..].copy_from_slice(&mr.rkey().to_be_bytes());
-        b
-    }
-
-    /// Decodes the peer's area.
-    pub fn decode(b: &[u8]) -> Option<(u64, u32)> {
-        if b.len() < 12 {
-            return None;
+    /// Our area's descriptor for the peer (private data).
+    pub fn desc(buf: &Buffer, mr: &Mr) -> pdata::AreaDesc {
+        pdata::AreaDesc {
+            addr: buf.addr(),
+            stag: mr.rkey(),
         }
-        Some((
-            u64::from_be_bytes(b[..8].try_into().ok()?),
-            u32::from_be_bytes(b[8..12].try_into().ok()?),
-        ))
     }
 }
 
@@ -1113,7 +1097,7 @@ impl EpCore {
         if !self.dom.profile.infer_terminate || l.attributed || l.closed_locally {
             return None;
         }
-        if self.credit.as_ref().is_some_and(CreditArea::peer_closed) {
+        if self.peer_closed() {
             return None;
         }
         l.attributed = true;
@@ -1235,9 +1219,21 @@ impl EpCore {
     /// What a queue pair that died under us means: on iWARP, a graceful close is told
     /// apart from a failure by the peer's close mark in our credit area.
     fn dead_state(&self) -> EndpointState {
-        match &self.credit {
-            Some(c) if c.peer_closed() => EndpointState::Disconnected,
-            _ => EndpointState::Error,
+        if self.peer_closed() {
+            EndpointState::Disconnected
+        } else {
+            EndpointState::Error
+        }
+    }
+
+    /// The peer wrote its close mark: into the credit area, or, for a peer without credits
+    /// (the tcp provider writes the mark too), into our delivery-read sink, which is the
+    /// same kind of area. A truly foreign peer never writes it: its close reads as Error.
+    fn peer_closed(&self) -> bool {
+        match (&self.credit, &self.sink) {
+            (Some(c), _) => c.peer_closed(),
+            (None, Some((buf, _))) => area_word(buf, credit::CLOSED) != 0,
+            (None, None) => false,
         }
     }
 

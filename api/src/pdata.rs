@@ -1,0 +1,160 @@
+//! The connection private data of this framework's verbs providers, and the iWARP credit
+//! area it names.
+//!
+//! The verbs providers wrap the application's private data in a small frame: a magic byte,
+//! the application's length, on iWARP the 12-byte descriptor of the endpoint's credit area,
+//! then the application's bytes. The length byte matters: an InfiniBand CM REQ pads private
+//! data to a fixed size, so the receiver could not tell the length otherwise.
+//!
+//! The credit area is a small registered region the peer writes into with plain RDMA Writes
+//! (base RDMAP, nothing beyond RFC 5040): the count of receives the peer ever posted, and a
+//! mark set when the peer closes gracefully. iWARP gives a close and a failure the same
+//! signal (the LLP stream ends and the queue pair enters ERROR), so the mark is how an
+//! endpoint tells them apart. The tcp provider reads the frame too: against an iwarp
+//! provider it writes the close mark before it closes, and takes no credits.
+
+use crate::{Error, ErrorKind, Result};
+
+/// First byte of the frame.
+pub const MAGIC: u8 = 0xfb;
+/// Frame header: magic, application length.
+pub const HEADER: usize = 2;
+/// Size of a credit-area descriptor in the frame.
+pub const AREA_DESC_LEN: usize = 12;
+
+/// Byte offsets in the credit area (each word is a little-endian or native `u64`; only
+/// zero versus non-zero matters for [`CLOSED`]).
+pub mod area {
+    /// The peer's count of receives it ever posted (written by the peer).
+    pub const POSTED: usize = 0;
+    /// Non-zero once the peer closed gracefully (written by the peer).
+    pub const CLOSED: usize = 8;
+    /// Sink of the owner's delivery reads.
+    pub const SCRATCH: usize = 16;
+    /// Size of the area.
+    pub const LEN: usize = 64;
+}
+
+/// Where a peer's credit area is: its address and steering tag (remote key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AreaDesc {
+    /// Virtual address of the area's first byte (the tagged offset of RDMA Writes to it).
+    pub addr: u64,
+    /// Steering tag / remote key of the area.
+    pub stag: u32,
+}
+
+impl AreaDesc {
+    /// The descriptor's wire form: address then key, both big-endian.
+    pub fn encode(&self) -> [u8; AREA_DESC_LEN] {
+        let mut b = [0u8; AREA_DESC_LEN];
+        b[..8].copy_from_slice(&self.addr.to_be_bytes());
+        b[8..].copy_from_slice(&self.stag.to_be_bytes());
+        b
+    }
+
+    /// Reads a descriptor; `None` when `b` is too short.
+    pub fn decode(b: &[u8]) -> Option<AreaDesc> {
+        Some(AreaDesc {
+            addr: u64::from_be_bytes(b.get(..8)?.try_into().ok()?),
+            stag: u32::from_be_bytes(b.get(8..12)?.try_into().ok()?),
+        })
+    }
+}
+
+/// Wraps the application's private data (at most 255 bytes; callers check limits).
+pub fn frame(app: &[u8], area: Option<AreaDesc>) -> Vec<u8> {
+    debug_assert!(app.len() <= usize::from(u8::MAX));
+    let mut v = vec![MAGIC, app.len() as u8];
+    if let Some(a) = area {
+        v.extend_from_slice(&a.encode());
+    }
+    v.extend_from_slice(app);
+    v
+}
+
+/// Parses [`frame`]'s output, possibly padded. `with_area`: the frame carries a credit-area
+/// descriptor (iWARP). Private data that does not start with [`MAGIC`] comes from a peer
+/// not of this framework: all of it is the application's, and there is no area. A frame
+/// that is cut short is a `Protocol` error naming what is missing.
+pub fn unframe(raw: &[u8], with_area: bool) -> Result<(Vec<u8>, Option<AreaDesc>)> {
+    let bad = |what: &str| {
+        Error::new(
+            ErrorKind::Protocol,
+            format!("peer's connection private data: {what}"),
+        )
+    };
+    if raw.first() != Some(&MAGIC) {
+        return Ok((raw.to_vec(), None));
+    }
+    if raw.len() < HEADER {
+        return Err(bad("truncated header"));
+    }
+    let len = usize::from(raw[1]);
+    let mut at = HEADER;
+    let area = if with_area {
+        let d = raw
+            .get(at..at + AREA_DESC_LEN)
+            .and_then(AreaDesc::decode)
+            .ok_or_else(|| bad("credit-area descriptor missing"))?;
+        at += AREA_DESC_LEN;
+        Some(d)
+    } else {
+        None
+    };
+    let app = raw
+        .get(at..at + len)
+        .ok_or_else(|| bad("application data truncated"))?
+        .to_vec();
+    Ok((app, area))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_with_and_without_an_area() {
+        let mut raw = frame(b"from the client", None);
+        raw.resize(56, 0); // an InfiniBand CM REQ pads
+        assert_eq!(
+            unframe(&raw, false).unwrap(),
+            (b"from the client".to_vec(), None)
+        );
+        let a = AreaDesc {
+            addr: 0x0102_0304_0506_0708,
+            stag: 0xa0b0_c0d0,
+        };
+        assert_eq!(AreaDesc::decode(&a.encode()), Some(a));
+        assert_eq!(
+            unframe(&frame(b"x", Some(a)), true).unwrap(),
+            (b"x".to_vec(), Some(a))
+        );
+        assert_eq!(
+            unframe(&frame(b"", None), false).unwrap().0,
+            Vec::<u8>::new()
+        );
+    }
+
+    #[test]
+    fn hostile_frames_are_protocol_errors() {
+        for hostile in [&[MAGIC][..], &[MAGIC, 200, 1, 2]] {
+            assert_eq!(
+                unframe(hostile, false).unwrap_err().kind(),
+                ErrorKind::Protocol
+            );
+        }
+        let e = unframe(&frame(b"abc", None), true).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Protocol);
+        assert!(e.to_string().contains("credit-area descriptor"), "{e}");
+    }
+
+    #[test]
+    fn foreign_private_data_is_all_application_data() {
+        assert_eq!(
+            unframe(b"GET / HTTP/1.1", true).unwrap(),
+            (b"GET / HTTP/1.1".to_vec(), None)
+        );
+        assert_eq!(unframe(b"", false).unwrap(), (Vec::new(), None));
+    }
+}
