@@ -16,7 +16,9 @@ use std::io::{self, BufReader, Read};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::Ordering as AtomicOrdering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
+use fabric_api::pdata;
 use fabric_api::{
     Access, AtomicOp, Buffer, Completion, EndpointState, Error, ErrorKind, Opcode, ProviderCode,
     RecvWr, Result, SendFlags, SendOp, SendWr, Status,
@@ -27,7 +29,7 @@ use crate::keys::{random_u32, KeyTable};
 use crate::tx::{Kind, OutMsg, Payload, Queued, Tx};
 use crate::wire::ddp::{
     self, atomic_op, opcode, qn, term, AtomicRequest, AtomicResponse, Header, ReadRequest,
-    Terminate,
+    Terminate, TerminatedHeader,
 };
 use crate::wire::mpa::{self, features};
 use crate::wire::WireError;
@@ -51,6 +53,9 @@ pub(crate) struct Negotiated {
     pub peer_private: Vec<u8>,
     /// Swallow the first zero-length Send (a peer-to-peer RTR).
     pub expect_send_rtr: bool,
+    /// The credit area of a peer on this framework's iwarp provider (from its private-data
+    /// frame): a graceful close writes the close mark there first ([`pdata`]).
+    pub peer_area: Option<pdata::AreaDesc>,
 }
 
 impl Negotiated {
@@ -92,6 +97,9 @@ struct Pending {
     byte_len: u64,
     resp: Resp,
     error: Option<(ErrorKind, Option<ProviderCode>)>,
+    /// An RDMA Write's target (STag, tagged offset, length): what a foreign peer's
+    /// Terminate names when it refuses the write.
+    write_target: Option<(u32, u64, u64)>,
 }
 
 impl Pending {
@@ -181,7 +189,7 @@ enum RxEnd {
     /// The peer sent something we must refuse: tell it with this Terminate.
     Violation(Terminate, String),
     /// The peer sent a Terminate.
-    PeerTerminate(Terminate),
+    PeerTerminate(Terminate, Option<TerminatedHeader>),
     /// We closed or failed locally.
     Local,
 }
@@ -531,6 +539,19 @@ impl Conn {
                 }
             }
         };
+        let write_target = match msgs.first() {
+            Some(OutMsg {
+                kind:
+                    Kind::Tagged {
+                        opcode: opcode::WRITE,
+                        stag,
+                        to,
+                    },
+                payload,
+                ..
+            }) => Some((*stag, *to, payload.len() as u64)),
+            _ => None,
+        };
         msgs.last_mut().expect("at least one message").sent_seq = Some(seq);
         st.sq.push_back(Pending {
             seq,
@@ -544,6 +565,7 @@ impl Conn {
             byte_len,
             resp,
             error: None,
+            write_target,
         });
         let gated = Gated {
             msgs,
@@ -867,12 +889,79 @@ impl Conn {
         self.st_cv.notify_all();
     }
 
-    /// Local graceful close.
+    /// A foreign peer's Terminate named the RDMA Write it refused (its STag and tagged
+    /// offset): that write takes the error, and the Sends and Writes posted before it were
+    /// placed (the peer processes its stream in order) even where their confirming
+    /// zero-length Read never came back: siw may send its Terminate ahead of Read Responses
+    /// it still owes. Reads and atomics before it stay unfinished (their responses will
+    /// not come) and are flushed. Returns whether a write matched; without a match nothing
+    /// changes.
+    fn blame_write(
+        st: &mut State,
+        stag: u32,
+        to: u64,
+        head: (ErrorKind, Option<ProviderCode>),
+    ) -> bool {
+        let hit = st.sq.iter().position(|p| {
+            !p.done()
+                && p.write_target
+                    .is_some_and(|(s, base, len)| s == stag && to >= base && to - base < len.max(1))
+        });
+        let Some(i) = hit else { return false };
+        for p in st.sq.iter_mut().take(i).filter(|p| !p.done()) {
+            if matches!(p.opcode, Opcode::Send | Opcode::Write) {
+                p.sent = true;
+                p.wait_write = 0;
+                p.wait_msg = 0;
+                p.wait_resp = false;
+            }
+        }
+        st.sq[i].error = Some(head);
+        true
+    }
+
+    /// Local graceful close. Against this framework's iwarp provider the close mark goes
+    /// into the peer's credit area first: iWARP gives the peer the same signal for a close
+    /// and a failure, and the mark is how it tells them apart.
     pub fn close(&self) {
         let mut st = self.lock();
+        let mark = (st.status == EndpointState::Connected)
+            .then_some(self.neg.peer_area)
+            .flatten();
         self.enter_error(&mut st, None, EndpointState::Disconnected);
+        let Some(area) = mark else {
+            drop(st);
+            self.close_tx(false);
+            return;
+        };
+        self.transmit(
+            &mut st,
+            OutMsg::control(
+                Kind::Tagged {
+                    opcode: opcode::WRITE,
+                    stag: area.stag,
+                    to: area.addr + pdata::area::CLOSED as u64,
+                },
+                1u64.to_ne_bytes().to_vec(),
+            ),
+        );
         drop(st);
-        self.close_tx(false);
+        self.close_tx(true);
+        // Bounded: a peer that stops reading must not hold up the close.
+        let deadline = Instant::now() + CLOSE_MARK_WAIT;
+        loop {
+            let tx = self.tx.state.lock().expect("tx poisoned");
+            if tx.queue.is_empty() && !tx.busy {
+                break;
+            }
+            drop(tx);
+            if Instant::now() >= deadline {
+                tracing::debug!(peer = %self.peer, "close mark not written within {CLOSE_MARK_WAIT:?}");
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let _ = self.sock.shutdown(Shutdown::Both);
     }
 
     // ----- receive -------------------------------------------------------------------
@@ -902,13 +991,17 @@ impl Conn {
                 drop(st);
                 self.close_tx(true);
             }
-            RxEnd::PeerTerminate(t) => {
-                tracing::debug!(peer = %self.peer, "peer terminated the connection: {t:?}");
-                self.enter_error(
-                    &mut st,
-                    Some((t.error_kind(), Some(t.code()))),
-                    EndpointState::Error,
-                );
+            RxEnd::PeerTerminate(t, named) => {
+                tracing::debug!(peer = %self.peer, "peer terminated the connection: {t:?}, naming {named:?}");
+                let head = (t.error_kind(), Some(t.code()));
+                let blamed = match named {
+                    Some(TerminatedHeader::Tagged { stag, to }) => {
+                        Self::blame_write(&mut st, stag, to, head)
+                    }
+                    _ => false,
+                };
+                // Unless a write took the error, the oldest unfinished request does.
+                self.enter_error(&mut st, (!blamed).then_some(head), EndpointState::Error);
                 drop(st);
                 self.close_tx(false);
             }
@@ -1087,7 +1180,7 @@ impl Conn {
                             Terminate::decode(&b)
                         }
                         .map_err(wire_violation)?;
-                        Err(RxEnd::PeerTerminate(t))
+                        Err(RxEnd::PeerTerminate(t, Terminate::terminated_header(&b)))
                     }
                     (qn::ATOMIC, opcode::ATOMIC_REQUEST)
                         if ext_ok(features::ATOMICS) && last && mo == 0 =>
@@ -1481,6 +1574,9 @@ fn read_request(size: u32, stag: u32, to: u64) -> OutMsg {
 
 /// Largest message the posting thread encodes and sends itself.
 const DIRECT_LIMIT: usize = 16 << 10;
+
+/// How long a graceful close waits for its close mark to reach the socket.
+const CLOSE_MARK_WAIT: Duration = Duration::from_millis(200);
 
 #[derive(Debug, Clone, Copy)]
 enum Unit {

@@ -4,7 +4,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use fabric_api::{Error, ErrorKind, Result};
+use fabric_api::{pdata, Error, ErrorKind, Result};
 
 use crate::conn::Negotiated;
 use crate::wire::mpa::{self, Enhanced, ExtBlock, MpaFrame, RtrKinds, Setup};
@@ -116,22 +116,22 @@ pub(crate) fn initiate(
             e.rtr
         )));
     }
+    let (peer_private, peer_area) = app_data(&setup.user)?;
     Ok(Negotiated {
         features: setup.ext.map(|x| x.features & ours).unwrap_or(0),
         crc: rep.crc,
         ord: our_ord(setup.enhanced),
         revision: rep.revision,
-        peer_private: app_data(setup.user),
+        peer_private,
         expect_send_rtr: false,
+        peer_area,
     })
 }
 
-/// The peer's application private data, unwrapped from the verbs providers' frame.
-fn app_data(user: Vec<u8>) -> Vec<u8> {
-    match mpa::verbs_frame_app_data(&user) {
-        Some(app) => app.to_vec(),
-        None => user,
-    }
+/// The peer's application private data, unwrapped from the frame of this framework's
+/// iwarp provider, and that provider's credit area (`None` for any other peer).
+fn app_data(user: &[u8]) -> Result<(Vec<u8>, Option<pdata::AreaDesc>)> {
+    pdata::unframe(user, true)
 }
 
 fn reject_reason(pd: &[u8]) -> String {
@@ -181,6 +181,10 @@ pub(crate) fn respond(
     }
     let setup = match Setup::of(&req) {
         Ok(s) => s,
+        Err(e) => return Err(reject(sock, &e.to_string())),
+    };
+    let (peer_private, peer_area) = match app_data(&setup.user) {
+        Ok(x) => x,
         Err(e) => return Err(reject(sock, &e.to_string())),
     };
     let ours = features_of(opts);
@@ -237,7 +241,8 @@ pub(crate) fn respond(
         crc,
         ord: our_ord(setup.enhanced),
         revision,
-        peer_private: app_data(setup.user),
+        peer_private,
         expect_send_rtr,
+        peer_area,
     })
 }

@@ -37,6 +37,17 @@ fn raw_connect(
     crc: bool,
     markers: bool,
 ) -> (TcpStream, MpaFrame, Setup) {
+    raw_connect_with(addr, revision, crc, markers, b"raw")
+}
+
+/// [`raw_connect`] with the given private data.
+fn raw_connect_with(
+    addr: SocketAddr,
+    revision: u8,
+    crc: bool,
+    markers: bool,
+    user: &[u8],
+) -> (TcpStream, MpaFrame, Setup) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let setup = Setup {
@@ -47,7 +58,7 @@ fn raw_connect(
             rtr: RtrKinds::default(),
         }),
         ext: None,
-        user: b"raw".to_vec(),
+        user: user.to_vec(),
     };
     let req = MpaFrame {
         reply: false,
@@ -356,9 +367,15 @@ fn expect_terminate(raw: &mut TcpStream, want: Terminate) {
 }
 
 fn connected_raw(crc: bool) -> (Server, TcpEndpoint, TcpStream) {
+    connected_raw_with(crc, b"raw")
+}
+
+/// [`connected_raw`] with the given private data.
+fn connected_raw_with(crc: bool, user: &[u8]) -> (Server, TcpEndpoint, TcpStream) {
     let srv = server(TcpOptions::default());
     let addr = srv.listener.local_addr();
-    let t = std::thread::spawn(move || raw_connect(addr, 2, crc, false));
+    let user = user.to_vec();
+    let t = std::thread::spawn(move || raw_connect_with(addr, 2, crc, false, &user));
     let ep = accept(&srv, Duration::from_secs(10)).unwrap();
     let (raw, rep, _) = t.join().unwrap();
     assert_eq!(rep.crc, crc, "CRC asked for by the initiator must be used");
@@ -467,4 +484,167 @@ fn stale_payload_on_a_zero_length_read_response_is_dropped() {
     srv.cq.poll(&mut out, 4).unwrap();
     assert_eq!((out[0].context, out[0].status), (4, Status::Success));
     assert_eq!(ep.state(), EndpointState::Connected);
+}
+
+/// A Terminate laid out as the kernel's siw sends it for a DDP tagged-buffer error: the
+/// control field with layer and error type in swapped nibbles (x86 bitfields), the Hdr Ct
+/// bits in the third byte's low bits, then the faulting segment's MPA length, DDP/RDMAP
+/// control, STag and tagged offset.
+fn siw_tagged_terminate(ecode: u8, stag: u32, to: u64) -> Vec<u8> {
+    let mut b = vec![(1 << 4) | 1, ecode, 0b011, 0];
+    b.extend_from_slice(&14u16.to_be_bytes());
+    b.extend_from_slice(&0xc140u16.to_be_bytes()); // tagged, last, DDP 1, RDMAP 1, Write
+    b.extend_from_slice(&stag.to_be_bytes());
+    b.extend_from_slice(&to.to_be_bytes());
+    b
+}
+
+#[test]
+fn foreign_terminate_naming_a_write_spares_the_writes_before_it() {
+    // siw may send its Terminate for a bad write before the Read Response that confirms
+    // an earlier good write: the Terminate names the bad write, so the earlier one was
+    // placed and succeeds.
+    let (srv, ep, mut raw) = connected_raw(false);
+    let src = srv
+        .domain
+        .register(Arc::new(Buffer::new(64)), Access::empty())
+        .unwrap();
+    let good = fabric_api::RemoteAddr {
+        addr: 0x1000,
+        key: 0x11,
+    };
+    let bad = fabric_api::RemoteAddr {
+        addr: 0x2000,
+        key: 0x22,
+    };
+    ep.post_send(&SendWr::write(1, &[src.all()], good)).unwrap();
+    ep.post_send(&SendWr::send(2, &[src.slice(0..8).unwrap()]))
+        .unwrap();
+    ep.post_send(&SendWr::write(3, &[src.all()], bad)).unwrap();
+    ep.post_send(&SendWr::write(4, &[src.all()], good)).unwrap();
+    for _ in 0..8 {
+        let _ = read_fpdu(&mut raw); // four messages, each with its zero-length Read
+    }
+    // Refuse the third request (by its second segment's offset, were it segmented), with
+    // none of the zero-length Reads answered.
+    raw.write_all(&fpdu(
+        Header::Untagged {
+            last: true,
+            opcode: opcode::TERMINATE,
+            ulp: 0,
+            qn: qn::TERMINATE,
+            msn: 1,
+            mo: 0,
+        },
+        &siw_tagged_terminate(0x00, bad.key, bad.addr + 16),
+        false,
+    ))
+    .unwrap();
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while out.len() < 4 && Instant::now() < deadline {
+        srv.cq.wait(Duration::from_millis(100)).unwrap();
+        srv.cq.poll(&mut out, 8).unwrap();
+    }
+    let got: Vec<_> = out.iter().map(|c| (c.context, c.status)).collect();
+    assert_eq!(
+        got,
+        [
+            (1, Status::Success),
+            (2, Status::Success),
+            (3, Status::Error(ErrorKind::RemoteAccess)),
+            (4, Status::Error(ErrorKind::Flushed)),
+        ]
+    );
+    wait_state(&ep, EndpointState::Error);
+}
+
+#[test]
+fn terminate_without_a_copied_header_blames_the_oldest_request() {
+    let (srv, ep, mut raw) = connected_raw(false);
+    let src = srv
+        .domain
+        .register(Arc::new(Buffer::new(64)), Access::empty())
+        .unwrap();
+    let remote = fabric_api::RemoteAddr {
+        addr: 0x1000,
+        key: 0x11,
+    };
+    ep.post_send(&SendWr::write(1, &[src.all()], remote))
+        .unwrap();
+    ep.post_send(&SendWr::write(2, &[src.all()], remote))
+        .unwrap();
+    for _ in 0..4 {
+        let _ = read_fpdu(&mut raw);
+    }
+    raw.write_all(&fpdu(
+        Header::Untagged {
+            last: true,
+            opcode: opcode::TERMINATE,
+            ulp: 0,
+            qn: qn::TERMINATE,
+            msn: 1,
+            mo: 0,
+        },
+        &fabric_tcp::wire::ddp::term::DDP_INVALID_STAG.encode(),
+        false,
+    ))
+    .unwrap();
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while out.len() < 2 && Instant::now() < deadline {
+        srv.cq.wait(Duration::from_millis(100)).unwrap();
+        srv.cq.poll(&mut out, 8).unwrap();
+    }
+    let got: Vec<_> = out.iter().map(|c| (c.context, c.status)).collect();
+    assert_eq!(
+        got,
+        [
+            (1, Status::Error(ErrorKind::RemoteAccess)),
+            (2, Status::Error(ErrorKind::Flushed)),
+        ]
+    );
+    let _ = ep;
+}
+
+#[test]
+fn graceful_close_writes_the_close_mark_into_an_iwarp_provider_peer() {
+    // The iwarp provider's private-data frame names its credit area; a graceful close
+    // writes the close mark there before the stream ends (iWARP gives a close and a
+    // failure the same signal otherwise).
+    let area = fabric_api::pdata::AreaDesc {
+        addr: 0x7000_0000,
+        stag: 0x4242,
+    };
+    let (_srv, ep, mut raw) =
+        connected_raw_with(false, &fabric_api::pdata::frame(b"app", Some(area)));
+    assert_eq!(ep.peer_private_data(), b"app");
+    drop(ep);
+    let (h, payload) = read_fpdu(&mut raw);
+    match h {
+        Header::Tagged {
+            opcode: opcode::WRITE,
+            stag,
+            to,
+            last: true,
+        } => {
+            assert_eq!(stag, area.stag);
+            assert_eq!(to, area.addr + fabric_api::pdata::area::CLOSED as u64);
+        }
+        other => panic!("expected the close mark (an RDMA Write), got {other:?}"),
+    }
+    assert_eq!(payload.len(), 8);
+    assert_ne!(payload, [0; 8], "the close mark is a non-zero word");
+    let mut rest = Vec::new();
+    raw.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "bytes after the close mark: {rest:?}");
+}
+
+#[test]
+fn graceful_close_to_a_foreign_peer_just_ends_the_stream() {
+    let (_srv, ep, mut raw) = connected_raw(false);
+    drop(ep);
+    let mut rest = Vec::new();
+    raw.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "bytes on close: {rest:?}");
 }

@@ -423,6 +423,25 @@ pub struct Terminate {
     pub ecode: u8,
 }
 
+/// The message a Terminate names by the DDP header it copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TerminatedHeader {
+    /// A tagged segment (RDMA Write or Read Response): its STag and tagged offset.
+    Tagged {
+        /// The segment's STag.
+        stag: u32,
+        /// The segment's tagged offset (a later segment's, when that one failed).
+        to: u64,
+    },
+    /// An untagged message: its queue and message sequence number.
+    Untagged {
+        /// Queue number.
+        qn: u32,
+        /// Message sequence number.
+        msn: u32,
+    },
+}
+
 /// Terminate codes this provider sends (and the ones it maps from a peer).
 pub mod term {
     use super::Terminate;
@@ -529,6 +548,32 @@ impl Terminate {
             etype: ((w >> 24) & 0xf) as u8,
             ecode: ((w >> 16) & 0xff) as u8,
         })
+    }
+
+    /// The message a Terminate names, from the DDP header it copies (RFC 5040 section 4.8:
+    /// after the 4-byte control field, the DDP Segment Length and the terminated DDP
+    /// header). `b` is the Terminate's payload. `None` when no header is copied, as in
+    /// this provider's own Terminates. The copy is taken when the DDP control byte at its
+    /// start is well-formed (DDP version 1, reserved bits clear) and the bytes are all
+    /// there; the Hdr Ct bits are not trusted, because siw's sit elsewhere on x86 (see
+    /// [`Terminate::decode_foreign`]).
+    pub fn terminated_header(b: &[u8]) -> Option<TerminatedHeader> {
+        const AT: usize = 6;
+        let ctrl = u16::from_be_bytes(b.get(AT..AT + 2)?.try_into().ok()?);
+        if (ctrl >> 8) & 0x3 != DDP_VERSION || ctrl & 0x3c00 != 0 {
+            return None;
+        }
+        if ctrl & FLAG_TAGGED != 0 {
+            (b.len() >= AT + TAGGED_LEN).then(|| TerminatedHeader::Tagged {
+                stag: be32(b, AT + 2),
+                to: be64(b, AT + 6),
+            })
+        } else {
+            (b.len() >= AT + UNTAGGED_LEN).then(|| TerminatedHeader::Untagged {
+                qn: be32(b, AT + 6),
+                msn: be32(b, AT + 10),
+            })
+        }
     }
 
     /// Decodes a Terminate from a peer that is not of this framework. The kernel's siw
@@ -675,5 +720,50 @@ mod tests {
             term::BASE_BOUNDS.error_kind(),
             fabric_api::ErrorKind::RemoteAccess
         );
+    }
+
+    #[test]
+    fn terminated_headers_name_the_refused_message() {
+        // Our own Terminates copy no header.
+        assert_eq!(
+            Terminate::terminated_header(&term::DDP_INVALID_STAG.encode()),
+            None
+        );
+        // siw, DDP tagged error: control, MPA length, then the tagged header.
+        let mut b = vec![0x11, 0x00, 0x03, 0x00, 0x00, 0x0e];
+        Header::Tagged {
+            last: true,
+            opcode: opcode::WRITE,
+            stag: 0xabcd,
+            to: 0x1122_3344_5566_7788,
+        }
+        .encode_into(&mut b);
+        assert_eq!(
+            Terminate::terminated_header(&b),
+            Some(TerminatedHeader::Tagged {
+                stag: 0xabcd,
+                to: 0x1122_3344_5566_7788
+            })
+        );
+        // Cut short: no name rather than a wrong one.
+        assert_eq!(Terminate::terminated_header(&b[..b.len() - 1]), None);
+        // siw, DDP untagged error (no receive): QN and MSN of the refused Send.
+        let mut b = vec![0x21, 0x01, 0x03, 0x00, 0x00, 0x12];
+        Header::Untagged {
+            last: true,
+            opcode: opcode::SEND,
+            ulp: 0,
+            qn: qn::SEND,
+            msn: 7,
+            mo: 0,
+        }
+        .encode_into(&mut b);
+        assert_eq!(
+            Terminate::terminated_header(&b),
+            Some(TerminatedHeader::Untagged { qn: 0, msn: 7 })
+        );
+        // A malformed copy (reserved bits set) names nothing.
+        b[6] |= 0x3c;
+        assert_eq!(Terminate::terminated_header(&b), None);
     }
 }

@@ -333,22 +333,6 @@ impl Setup {
     }
 }
 
-/// The application's bytes inside the private-data frame of this framework's verbs
-/// providers (the iwarp provider over rdma_cm: `0xfb`, the application length, its
-/// 12-byte credit-area descriptor, the application's bytes), or `None` when `pd` is not
-/// such a frame. The tcp provider takes no credits, so the iwarp provider treats it as a
-/// peer without them.
-pub fn verbs_frame_app_data(pd: &[u8]) -> Option<&[u8]> {
-    const MAGIC: u8 = 0xfb;
-    const HEADER: usize = 2 + 12;
-    match pd {
-        [MAGIC, len, ..] if pd.len() >= HEADER && pd.len() - HEADER >= usize::from(*len) => {
-            Some(&pd[HEADER..HEADER + usize::from(*len)])
-        }
-        _ => None,
-    }
-}
-
 /// Pad bytes after a ULPDU of `ulpdu_len` bytes (the 2-byte length field included in the
 /// alignment).
 pub fn pad_len(ulpdu_len: usize) -> usize {
@@ -446,16 +430,6 @@ mod tests {
         };
         assert_eq!(e.encode(), [0x80, 5, 0x80, 3]);
         assert_eq!(Enhanced::decode(&e.encode()).unwrap(), e);
-    }
-
-    #[test]
-    fn verbs_provider_frames_are_unwrapped() {
-        let mut pd = vec![0xfb, 5];
-        pd.extend_from_slice(&[9; 12]);
-        pd.extend_from_slice(b"hello");
-        assert_eq!(verbs_frame_app_data(&pd), Some(&b"hello"[..]));
-        assert_eq!(verbs_frame_app_data(b"plain data"), None);
-        assert_eq!(verbs_frame_app_data(&[0xfb, 200, 0, 0]), None);
     }
 
     #[test]
