@@ -492,8 +492,10 @@ fn unsupported(ctx: &Ctx, needs: OpSet, have: OpSet, lack: Lack) -> Outcome {
         let remote = region(&p.db, 64, all_access())?;
         let sgl = [mr.slice(0..8).ctx("slice")?];
         let at = remote.desc().at(0);
-        let wr = if postable.intersects(OpSet::ATOMICS) {
+        let wr = if postable.contains(OpSet::FETCH_ADD) {
             SendWr::fetch_add(1, sgl[0], at, 1)
+        } else if postable.contains(OpSet::COMPARE_SWAP) {
+            SendWr::compare_swap(1, sgl[0], at, 0, 1)
         } else if postable.contains(OpSet::WRITE_IMM) {
             SendWr::write(1, &sgl, at).with_imm(7)
         } else if postable.contains(OpSet::SEND_IMM) {

@@ -22,6 +22,7 @@ pub(super) fn cases() -> Vec<Case> {
         "cq.overrun_refused", "6", OpSet::SEND | OpSet::RNR_WAIT => overrun_refused;
         "cq.send_queue_full", "6", OpSet::SEND | OpSet::RNR_WAIT => send_queue_full;
         "cq.recv_queue_full", "6", OpSet::SEND => recv_queue_full;
+        "cq.refused_recv_not_queued", "6", OpSet::SEND | OpSet::RNR_WAIT => refused_recv_not_queued;
         "cq.wait_times_out", "6", OpSet::empty() => wait_times_out;
         "cq.wait_wakes_on_completion", "6", OpSet::SEND => wait_wakes;
         "cq.poll_non_blocking", "6", OpSet::SEND | OpSet::RNR_WAIT => poll_non_blocking;
@@ -682,18 +683,57 @@ fn recv_queue_full(ctx: &Ctx) -> CaseResultOf {
     }
     expect_ok(&p.cqb, 1, Opcode::Recv)?;
     expect_ok(&p.cqb, 2, Opcode::Recv)?;
-    // And no third receive was queued beyond the depth: a third message waits.
-    p.a.post_send(&SendWr::send(4, &[src.slice(0..4).ctx("slice")?]))
+    Ok(())
+}
+
+/// A receive refused with QueueFull is not queued behind the scenes: a message beyond the
+/// posted receives waits for the next one (so this needs the sender to wait: RNR_WAIT).
+fn refused_recv_not_queued(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair_with(PairOpts {
+        rq_depth: 1,
+        ..PairOpts::default()
+    })?;
+    let src = region(&p.da, 64, Access::empty())?;
+    src.buffer().write(0, b"abcdefgh");
+    let rq = region(&p.db, 2 * 64, Access::LOCAL_WRITE)?;
+    let slot = |i: usize| rq.slice(i * 64..(i + 1) * 64);
+    p.b.post_recv(&RecvWr::new(0, &[slot(0).ctx("slice")?]))
+        .ctx("post_recv")?;
+    refused(
+        p.b.post_recv(&RecvWr::new(9, &[slot(1).ctx("slice")?])),
+        ErrorKind::QueueFull,
+        "receive beyond a depth of 1",
+    )?;
+    for c in 1..3 {
+        p.a.post_send(&SendWr::send(
+            c,
+            &[src.slice(0..c as usize * 3).ctx("slice")?],
+        ))
         .ctx("post_send")?;
+    }
+    let r = expect_ok(&p.cqb, 0, Opcode::Recv)?;
+    ensure!(
+        r.byte_len == 3,
+        "first receive holds {} bytes, expected 3",
+        r.byte_len
+    );
+    // Had the refused receive been queued, the second message would land in it now.
     expect_none(&p.cqb, Duration::from_millis(200))?;
-    p.b.post_recv(&RecvWr::new(5, &[slot(0).ctx("slice")?]))
+    p.b.post_recv(&RecvWr::new(5, &[slot(1).ctx("slice")?]))
         .ctx("post_recv")?;
     let r = expect_ok(&p.cqb, 5, Opcode::Recv)?;
     ensure!(
-        r.byte_len == 4,
-        "receive holds {} bytes, expected 4",
+        r.byte_len == 6,
+        "second receive holds {} bytes, expected 6",
         r.byte_len
     );
+    ensure!(
+        rq.buffer().to_vec(64, 6) == b"abcdef",
+        "second message landed wrong: {:?}",
+        rq.buffer().to_vec(64, 6)
+    );
+    expect_ok(&p.cqa, 1, Opcode::Send)?;
+    expect_ok(&p.cqa, 2, Opcode::Send)?;
     Ok(())
 }
 
