@@ -399,6 +399,26 @@ pub fn expect_ok(cq: &AnyCq, context: u64, opcode: Opcode) -> Result<Completion,
     Ok(c)
 }
 
+/// Waits for one successful completion per `(context, opcode)` in `want`, in any order
+/// (send and receive completions on one queue are not ordered against each other: a
+/// reply can complete before the send that caused it is confirmed). Returns them in
+/// `want`'s order.
+pub fn expect_ok_each(cq: &AnyCq, want: &[(u64, Opcode)]) -> Result<Vec<Completion>, String> {
+    let mut got: Vec<Option<Completion>> = vec![None; want.len()];
+    for _ in 0..want.len() {
+        let c = next(cq, Duration::from_secs(10))?;
+        let slot = want
+            .iter()
+            .zip(&got)
+            .position(|(w, g)| g.is_none() && *w == (c.context, c.opcode));
+        match slot {
+            Some(i) if c.status == Status::Success => got[i] = Some(c),
+            _ => return Err(format!("expected successes for {want:?}, got {c:?}")),
+        }
+    }
+    Ok(got.into_iter().flatten().collect())
+}
+
 /// Waits for a completion and checks its context and error status.
 pub fn expect_err(cq: &AnyCq, context: u64, kind: ErrorKind) -> Result<Completion, String> {
     let c = next(cq, Duration::from_secs(10))?;

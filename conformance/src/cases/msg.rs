@@ -7,7 +7,8 @@ use fabric::prelude::*;
 use super::cases;
 use crate::ensure;
 use crate::harness::{
-    expect_err, expect_none, expect_ok, region, wait_state, Case, CaseResultOf, Ctx, Ctxt,
+    expect_err, expect_none, expect_ok, expect_ok_each, region, wait_state, Case, CaseResultOf,
+    Ctx, Ctxt,
 };
 
 pub(super) fn cases() -> Vec<Case> {
@@ -292,8 +293,14 @@ fn two_processes(ctx: &Ctx) -> CaseResultOf {
                 &[out.slice(0..msg.len()).ctx("slice")?],
             ))
             .ctx("post_send")?;
-        expect_ok(&peer.cq, u64::from(round), Opcode::Send)?;
-        let r = expect_ok(&peer.cq, 10 + u64::from(round), Opcode::Recv)?;
+        let both = expect_ok_each(
+            &peer.cq,
+            &[
+                (u64::from(round), Opcode::Send),
+                (10 + u64::from(round), Opcode::Recv),
+            ],
+        )?;
+        let r = &both[1];
         ensure!(r.byte_len == 1000, "echo length {}", r.byte_len);
         ensure!(
             back.buffer().to_vec(0, 1000) == msg[5..],
