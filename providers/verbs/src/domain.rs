@@ -492,16 +492,17 @@ impl<F: Flavor> VerbsDomain<F> {
     }
 }
 
-/// A local TCP port for an iWARP connection, held by a bound socket until the connection
-/// is up.
+/// A local TCP port for an iWARP connection or listener, held by a bound socket until the
+/// connection is up or the listener listens.
 ///
-/// siw connects over a kernel TCP socket bound to the port rdma_cm picks at random from
-/// its own port space, which knows nothing of plain TCP sockets: a port held by one (the
-/// tcp provider's connections, any application's) makes `rdma_connect` fail with
-/// EADDRINUSE. Measured in the mixed tcp/iwarp conformance runs: about one connection in a
-/// few hundred. The kernel's own allocator hands out a port no TCP socket holds; the
-/// reservation is SO_REUSEADDR and never listens, so siw's bind (SO_REUSEADDR too, in
-/// `siw_connect`) shares it. `None` when no socket can be had: rdma_cm then picks.
+/// siw connects and listens with kernel TCP sockets bound to the port rdma_cm picks at
+/// random from its own port space, which knows nothing of plain TCP sockets: a port held by
+/// one (the tcp provider's connections, any application's) makes `rdma_connect` or
+/// `rdma_listen` fail with EADDRINUSE. Measured in the mixed tcp/iwarp conformance runs:
+/// about one connection or listener in a few hundred. The kernel's own allocator hands out
+/// a port no TCP socket holds; the reservation is SO_REUSEADDR and never listens, so siw's
+/// bind (SO_REUSEADDR too, in `siw_connect` and `siw_create_listen`) shares it. `None` when
+/// no socket can be had: rdma_cm then picks.
 fn reserve_tcp_port(ip: IpAddr) -> Option<(socket2::Socket, u16)> {
     let sock = socket2::Socket::new(
         socket2::Domain::for_address(SocketAddr::new(ip, 0)),
@@ -685,7 +686,21 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
             key: id.key(),
             armed: true,
         };
-        id.bind(addr).map_err(|e| {
+        // iWARP with port 0: a port the kernel's TCP allocator hands out (see
+        // `reserve_tcp_port`), held until the listening socket has it.
+        let reserved = match d.dev.transport {
+            Transport::Iwarp if addr.port() == 0 => reserve_tcp_port(addr.ip()),
+            _ => None,
+        };
+        let bound = match &reserved {
+            Some((_, port)) => match id.bind(SocketAddr::new(addr.ip(), *port)) {
+                // rdma_cm's own port space holds it: let rdma_cm pick.
+                Err(e) if e.raw_os_error() == Some(libc::EADDRINUSE) => id.bind(addr),
+                r => r,
+            },
+            None => id.bind(addr),
+        };
+        bound.map_err(|e| {
             let kind = if e.raw_os_error() == Some(libc::EADDRNOTAVAIL)
                 || e.raw_os_error() == Some(libc::ENODEV)
             {
@@ -709,6 +724,7 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
             }
         }
         id.listen(64)?;
+        drop(reserved);
         let local = id.local_addr().unwrap_or(addr);
         guard.armed = false;
         Ok(VerbsListener {
