@@ -22,8 +22,8 @@ pub const HEADER: usize = 2;
 /// Size of a credit-area descriptor in the frame.
 pub const AREA_DESC_LEN: usize = 12;
 
-/// Byte offsets in the credit area (each word is a little-endian or native `u64`; only
-/// zero versus non-zero matters for [`CLOSED`]).
+/// Byte offsets in the credit area: `u64` words the peer writes with RDMA Writes, in the
+/// owner's byte order; for [`CLOSED`](area::CLOSED) only zero versus non-zero matters.
 pub mod area {
     /// The peer's count of receives it ever posted (written by the peer).
     pub const POSTED: usize = 0;

@@ -11,7 +11,7 @@
 //! * Discovery ([`device::probe`]): devices, ports, GID tables with their RoCE types (sysfs
 //!   `gid_attrs`), and capabilities from the device (`atomic_cap`, `max_sge`, `max_qp_wr`,
 //!   `max_qp_rd_atom`, MTU, link layer, transport; max inline by creating a probe QP).
-//! * A protection domain per [`VerbsDomain`], memory registration ([`VerbsDomain::register`]
+//! * A protection domain per [`VerbsDomain`], memory registration (`spi::Domain::register`;
 //!   semantics below), completion queues with a completion channel ([`VerbsCq`]), RC queue
 //!   pairs connected through rdma_cm with private data ([`VerbsEndpoint`],
 //!   [`VerbsListener`]), and a connection-manager thread per domain that turns peer
