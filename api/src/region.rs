@@ -180,7 +180,8 @@ impl MemoryRegion {
         }
     }
 
-    /// The underlying buffer (read and write its bytes through it).
+    /// The underlying buffer: read and write its bytes through copies ([`Buffer::read`],
+    /// [`Buffer::write`]), which are sound whatever a peer does meanwhile.
     pub fn buffer(&self) -> &Buffer {
         &self.inner.buffer
     }
@@ -202,15 +203,21 @@ impl MemoryRegion {
 
     /// A slice of the region for use in a work request; out of bounds is an error.
     pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<Slice<'_>> {
+        // Checked: `..=usize::MAX` or an excluded `usize::MAX` start is out of bounds, never
+        // a wrapped-around small range.
         let start = match range.start_bound() {
-            Bound::Included(&s) => s,
-            Bound::Excluded(&s) => s + 1,
-            Bound::Unbounded => 0,
+            Bound::Included(&s) => Some(s),
+            Bound::Excluded(&s) => s.checked_add(1),
+            Bound::Unbounded => Some(0),
         };
         let end = match range.end_bound() {
-            Bound::Included(&e) => e + 1,
-            Bound::Excluded(&e) => e,
-            Bound::Unbounded => self.len(),
+            Bound::Included(&e) => e.checked_add(1),
+            Bound::Excluded(&e) => Some(e),
+            Bound::Unbounded => Some(self.len()),
+        };
+        let (start, end) = match (start, end) {
+            (Some(s), Some(e)) => (s, e),
+            _ => (usize::MAX, 0),
         };
         if start > end || end > self.len() {
             return Err(Error::new(
@@ -240,6 +247,27 @@ impl MemoryRegion {
     /// Kills the remote key now; the memory is freed when nothing uses it any more.
     pub fn deregister(self) {
         drop(self)
+    }
+
+    /// Deregisters the region and gives its memory back for exclusive use
+    /// ([`Buffer::as_mut_slice`]). The remote key dies first; if an operation still holds
+    /// the memory, the shared buffer comes back instead (copies work on it; try again with
+    /// `Arc::try_unwrap` once the operations have completed).
+    pub fn into_buffer(self) -> std::result::Result<Buffer, Arc<Buffer>> {
+        let inner = self.inner.clone();
+        drop(self); // revokes the key: no peer can reach the memory any more
+        match Arc::try_unwrap(inner) {
+            Ok(inner) => {
+                let RegionInner {
+                    buffer,
+                    registration,
+                    ..
+                } = inner;
+                drop(registration); // the provider releases its registration first
+                Arc::try_unwrap(buffer)
+            }
+            Err(inner) => Err(inner.buffer.clone()),
+        }
     }
 
     /// A counted reference for providers and operations in flight.
@@ -408,6 +436,11 @@ mod tests {
             .check_local(7, Access::LOCAL_WRITE)
             .unwrap();
         assert!(mr.slice(4..9).is_err());
+        assert!(mr.slice(0..=usize::MAX).is_err());
+        assert!(mr
+            .slice((Bound::Excluded(usize::MAX), Bound::Unbounded))
+            .is_err());
+        assert!(mr.slice(8..8).unwrap().is_empty());
         assert_eq!(
             mr.slice(..)
                 .unwrap()
@@ -420,5 +453,31 @@ mod tests {
         assert!(flag.load(Ordering::SeqCst));
         assert!(held.is_revoked());
         held.buffer().write(0, b"still ok");
+    }
+
+    #[test]
+    fn into_buffer_is_exclusive_only_when_nothing_holds_the_memory() {
+        let region = |flag: &Arc<AtomicBool>| {
+            MemoryRegion::new(
+                Arc::new(Buffer::from_slice(b"abcdefgh")),
+                Access::LOCAL_WRITE,
+                7,
+                Box::new(NoReg(flag.clone())),
+            )
+        };
+        let flag = Arc::new(AtomicBool::new(false));
+        let mut b = region(&flag).into_buffer().expect("nothing else holds it");
+        assert!(flag.load(Ordering::SeqCst), "the key dies first");
+        b.as_mut_slice()[0] = b'A';
+        assert_eq!(b.to_vec(0, 2), b"Ab");
+
+        let flag = Arc::new(AtomicBool::new(false));
+        let mr = region(&flag);
+        let in_flight = mr.to_ref();
+        let shared = mr.into_buffer().expect_err("an operation holds the memory");
+        assert!(flag.load(Ordering::SeqCst));
+        assert_eq!(shared.to_vec(0, 8), b"abcdefgh");
+        drop(in_flight);
+        assert!(Arc::try_unwrap(shared).is_ok());
     }
 }
