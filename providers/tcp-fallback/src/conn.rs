@@ -12,7 +12,7 @@
 //! target handles its stream in order, so responses arrive in request order.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, BufReader, Read};
+use std::io::{self, BufRead, BufReader, Read};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::Ordering as AtomicOrdering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -35,8 +35,19 @@ use crate::wire::mpa::{self, features};
 use crate::wire::WireError;
 
 /// Bytes of unmatched incoming messages buffered per endpoint before the receive thread
-/// stops reading (TCP back-pressure then holds the sender: nothing is lost).
+/// stops reading (TCP back-pressure then holds the sender: nothing is lost). A message
+/// larger than what is left waits, part-buffered, for a receive and is then placed into it
+/// directly, so one endpoint never buffers more than this (semantics.md section 8).
 pub(crate) const UNEXPECTED_LIMIT: usize = 8 << 20;
+
+/// What one buffered unexpected message costs against [`UNEXPECTED_LIMIT`] beyond its
+/// payload: a flood of zero-byte messages is bounded too.
+pub(crate) const UNEXPECTED_ENTRY_COST: usize = 64;
+
+/// Messages queued for the transmit thread beyond which the receive thread stops reading
+/// from the peer: a peer that sends and never reads cannot grow our output (acks,
+/// responses) without bound; TCP back-pressure then holds it.
+pub(crate) const TX_QUEUE_LIMIT: usize = 4096;
 
 /// What the connection setup agreed on.
 #[derive(Debug, Clone)]
@@ -128,11 +139,13 @@ enum Arrived {
 }
 
 impl Arrived {
-    fn bytes(&self) -> usize {
-        match self {
-            Arrived::Send { data, .. } => data.len(),
-            Arrived::WriteImm { .. } => 0,
-        }
+    /// What the message costs against [`UNEXPECTED_LIMIT`].
+    fn cost(&self) -> usize {
+        UNEXPECTED_ENTRY_COST
+            + match self {
+                Arrived::Send { data, .. } => data.len(),
+                Arrived::WriteImm { .. } => 0,
+            }
     }
 }
 
@@ -153,6 +166,9 @@ struct State {
     reads_out: u32,
     read_sinks: HashMap<u32, Sges>,
     rq: VecDeque<PostedRecv>,
+    /// The receive the current incoming message is being placed into: older than every
+    /// receive in `rq`, and flushed with them if the connection ends mid-message.
+    placing: Option<PostedRecv>,
     unexpected: VecDeque<Arrived>,
     unexpected_bytes: usize,
     next_seq: u64,
@@ -255,6 +271,7 @@ impl Conn {
                 reads_out: 0,
                 read_sinks: HashMap::new(),
                 rq: VecDeque::new(),
+                placing: None,
                 unexpected: VecDeque::new(),
                 unexpected_bytes: 0,
                 next_seq: 0,
@@ -387,6 +404,7 @@ impl Conn {
                     },
                     payload: payload(sges, total)?,
                     sent_seq: None,
+                    inbound: false,
                 });
                 (wait_write, wait_msg, byte_len, resp_kind, read_like) =
                     (0, u32::from(acks), total as u64, R::Acks, false);
@@ -404,6 +422,7 @@ impl Conn {
                     },
                     payload: payload(sges, total)?,
                     sent_seq: None,
+                    inbound: false,
                 });
                 if let Some(v) = imm {
                     let mut p = vec![0u8; ddp::IMMEDIATE_LEN];
@@ -620,12 +639,13 @@ impl Conn {
             total,
         };
         if let Some(arrived) = st.unexpected.pop_front() {
-            st.unexpected_bytes -= arrived.bytes();
-            self.st_cv.notify_all();
+            st.unexpected_bytes -= arrived.cost();
             self.deliver_buffered(&mut st, recv, arrived);
         } else {
             st.rq.push_back(recv);
         }
+        // The receive thread may wait for room or for a receive (back-pressure).
+        self.st_cv.notify_all();
         Ok(())
     }
 
@@ -723,9 +743,11 @@ impl Conn {
                 }
                 return;
             }
+            tx.inbound += u32::from(m.inbound);
             tx.queue
-                .push_back(Queued::Tail(bytes[n..].to_vec(), m.sent_seq));
+                .push_back(Queued::Tail(bytes[n..].to_vec(), m.sent_seq, m.inbound));
         } else {
+            tx.inbound += u32::from(m.inbound);
             tx.queue.push_back(Queued::Msg(m));
         }
         drop(tx);
@@ -778,6 +800,10 @@ impl Conn {
                 loop {
                     if let Some(item) = tx.queue.pop_front() {
                         tx.busy = true;
+                        // Taken before it is written: by the time the peer has this
+                        // response (and may ask again), it no longer counts.
+                        tx.inbound -= u32::from(item.inbound());
+                        self.tx.drained.notify_all();
                         break item;
                     }
                     if tx.closed {
@@ -788,7 +814,7 @@ impl Conn {
                 }
             };
             let (res, seq) = match &item {
-                Queued::Tail(bytes, seq) => (io::Write::write_all(&mut &self.sock, bytes), *seq),
+                Queued::Tail(bytes, seq, _) => (io::Write::write_all(&mut &self.sock, bytes), *seq),
                 Queued::Msg(m) => (
                     m.write_to(&self.sock, self.max_seg, self.neg.crc),
                     m.sent_seq,
@@ -800,8 +826,10 @@ impl Conn {
                 let mut tx = self.tx.state.lock().expect("tx poisoned");
                 tx.closed = true;
                 tx.queue.clear();
+                tx.inbound = 0;
                 tx.busy = false;
                 drop(tx);
+                self.tx.drained.notify_all();
                 let _ = self.sock.shutdown(Shutdown::Both);
                 return;
             }
@@ -820,9 +848,11 @@ impl Conn {
         tx.closed = true;
         if !flush {
             tx.queue.clear();
+            tx.inbound = 0;
         }
         drop(tx);
         self.tx.wake.notify_all();
+        self.tx.drained.notify_all();
         if !flush {
             let _ = self.sock.shutdown(Shutdown::Both);
         }
@@ -874,7 +904,8 @@ impl Conn {
         st.backlog.clear();
         st.read_sinks.clear();
         self.drain_sq(st);
-        for r in st.rq.drain(..) {
+        let placing = st.placing.take();
+        for r in placing.into_iter().chain(st.rq.drain(..)) {
             self.recv_cq.push(Completion {
                 context: r.context,
                 opcode: Opcode::Recv,
@@ -981,11 +1012,8 @@ impl Conn {
         match end {
             RxEnd::Violation(t, detail) => {
                 tracing::warn!(peer = %self.peer, "peer violated the protocol or an access right: {detail}; sending Terminate {t:?}");
-                if let Some(Current::Matched { recv, got, .. }) = r.current.take() {
-                    // A receive taken for a message that will never finish: flush it.
-                    st.rq.push_front(recv);
-                    let _ = got;
-                }
+                // A receive taken for a message that will never finish is in
+                // `st.placing`: enter_error flushes it first.
                 self.send_terminate(&mut st, t);
                 self.enter_error(&mut st, None, EndpointState::Error);
                 drop(st);
@@ -1006,9 +1034,6 @@ impl Conn {
                 self.close_tx(false);
             }
             RxEnd::Eof | RxEnd::Io(_) | RxEnd::Local => {
-                if let Some(Current::Matched { recv, .. }) = r.current.take() {
-                    st.rq.push_front(recv);
-                }
                 let head = match &end {
                     RxEnd::Io(e) if e.kind() == io::ErrorKind::TimedOut => Some((
                         ErrorKind::RetryExceeded,
@@ -1028,6 +1053,7 @@ impl Conn {
 
     /// Reads and handles one FPDU.
     fn rx_fpdu(&self, r: &mut Rx) -> std::result::Result<(), RxEnd> {
+        self.wait_tx_room()?;
         let mut head = [0u8; 2 + ddp::UNTAGGED_LEN];
         r.reader.read_exact(&mut head[..4])?;
         let ulpdu_len = usize::from(u16::from_be_bytes([head[0], head[1]]));
@@ -1070,9 +1096,9 @@ impl Conn {
             } => {
                 if len > 0 {
                     match self.keys.lookup(stag, to, len as u64, Access::REMOTE_WRITE) {
-                        Ok(t) => t
-                            .buffer
-                            .with_slice_mut(t.offset, len, |s| r.read_payload(s))?,
+                        // The target is remote-accessible memory, not tied to a local
+                        // completion: placed as it arrives, word-atomically.
+                        Ok(t) => r.place(&t.buffer, t.offset, len)?,
                         Err(t) => {
                             r.discard(len)?;
                             return Err(violation(t, format!("RDMA Write of {len} bytes to STag {stag:#x} at {to:#x} refused")));
@@ -1152,7 +1178,7 @@ impl Conn {
                             imm,
                             len: r.last_write_len,
                         };
-                        let mut st = self.lock();
+                        let mut st = self.wait_unexpected_room(0)?;
                         match st.rq.pop_front() {
                             Some(recv) if st.unexpected.is_empty() => {
                                 self.deliver_buffered(&mut st, recv, arrived)
@@ -1161,6 +1187,7 @@ impl Conn {
                                 if let Some(recv) = other {
                                     st.rq.push_front(recv);
                                 }
+                                st.unexpected_bytes += arrived.cost();
                                 st.unexpected.push_back(arrived);
                             }
                         }
@@ -1243,45 +1270,48 @@ impl Conn {
                 r.rtr_seen = true;
                 return Ok(());
             }
-            let mut st = self.lock();
-            loop {
-                if st.status != EndpointState::Connected {
-                    r.discard(len)?;
-                    return Err(RxEnd::Local);
-                }
-                if !st.rq.is_empty() || st.unexpected_bytes < UNEXPECTED_LIMIT {
-                    break;
-                }
-                // Receiver not ready and the buffer is full: stop reading (back-pressure).
-                st = self.st_cv.wait(st).expect("endpoint state poisoned");
-            }
+            // Receiver not ready and the buffer full: stop reading (back-pressure).
+            let mut st = self.wait_unexpected_room(0)?;
             r.current = Some(if st.unexpected.is_empty() {
                 match st.rq.pop_front() {
-                    Some(recv) => Current::Matched {
-                        recv,
-                        got: 0,
-                        overflow: false,
-                    },
+                    Some(recv) => {
+                        st.placing = Some(recv);
+                        Current::Matched { got: 0 }
+                    }
                     None => Current::Buffered(Vec::new()),
                 }
             } else {
                 Current::Buffered(Vec::new())
             });
         }
+        match r.current.take() {
+            Some(Current::Buffered(data))
+                if data.len() + len + UNEXPECTED_ENTRY_COST > UNEXPECTED_LIMIT =>
+            {
+                // Too big to buffer whole: wait for a receive (or room) and place the rest
+                // straight into it; the bound holds for one message as for many.
+                r.current = Some(self.buffer_or_match(data, len)?);
+            }
+            other => r.current = other,
+        }
         let mut cur = r.current.take();
         match cur.as_mut() {
-            Some(Current::Matched {
-                recv,
-                got,
-                overflow,
-            }) => {
-                if *overflow || *got + len > recv.total {
-                    *overflow = true;
+            Some(Current::Matched { got }) => {
+                let room = self.lock().placing.as_ref().map_or(0, |p| p.total);
+                if *got + len > room {
+                    // Longer than its receive: fail it now, whatever the peer still sends
+                    // (an endless message costs no more time than a short one).
                     r.discard(len)?;
-                } else {
-                    r.read_into(&recv.sges, *got, len)?;
+                    let got = *got + len;
+                    let mut st = self.lock();
+                    if let Some(recv) = st.placing.take() {
+                        self.message_too_long(&mut st, recv, got);
+                    }
+                    return Err(RxEnd::Local);
                 }
+                let at = *got;
                 *got += len;
+                self.place_locked(r, at, len, |st| st.placing.as_ref().map(|p| &p.sges))?;
             }
             Some(Current::Buffered(data)) => {
                 let start = data.len();
@@ -1304,15 +1334,8 @@ impl Conn {
                 return Err(RxEnd::Local);
             }
             match cur {
-                Current::Matched {
-                    recv,
-                    got,
-                    overflow,
-                } => {
-                    if overflow {
-                        self.message_too_long(&mut st, recv, got);
-                        return Err(RxEnd::Local);
-                    }
+                Current::Matched { got } => {
+                    let recv = st.placing.take().expect("a receive is being placed");
                     self.complete_recv(&mut st, recv.context, Opcode::Recv, got as u64, imm);
                 }
                 Current::Buffered(data) => {
@@ -1327,10 +1350,103 @@ impl Conn {
                             };
                         }
                     }
-                    st.unexpected_bytes += arrived.bytes();
+                    st.unexpected_bytes += arrived.cost();
                     st.unexpected.push_back(arrived);
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Waits until a message of `extra` more bytes (plus its entry cost) fits the unexpected
+    /// buffer, or a receive is posted; returns the locked state. `Err(Local)` once the
+    /// endpoint is no longer connected.
+    fn wait_unexpected_room(
+        &self,
+        extra: usize,
+    ) -> std::result::Result<MutexGuard<'_, State>, RxEnd> {
+        let mut st = self.lock();
+        loop {
+            if st.status != EndpointState::Connected {
+                return Err(RxEnd::Local);
+            }
+            if !st.rq.is_empty()
+                || st.unexpected_bytes + extra + UNEXPECTED_ENTRY_COST <= UNEXPECTED_LIMIT
+            {
+                return Ok(st);
+            }
+            st = self.st_cv.wait(st).expect("endpoint state poisoned");
+        }
+    }
+
+    /// A message being buffered would cross [`UNEXPECTED_LIMIT`] with its next `len`
+    /// bytes: waits until it fits, or until it is the oldest unmatched message and a
+    /// receive is posted, which it then continues in (its buffered bytes copied in first).
+    fn buffer_or_match(&self, data: Vec<u8>, len: usize) -> std::result::Result<Current, RxEnd> {
+        let mut st = self.lock();
+        loop {
+            if st.status != EndpointState::Connected {
+                return Err(RxEnd::Local);
+            }
+            if st.unexpected.is_empty() {
+                if let Some(recv) = st.rq.pop_front() {
+                    let got = data.len();
+                    if got > recv.total {
+                        self.message_too_long(&mut st, recv, got);
+                        return Err(RxEnd::Local);
+                    }
+                    scatter(&recv.sges, 0, &data);
+                    st.placing = Some(recv);
+                    return Ok(Current::Matched { got });
+                }
+            }
+            if st.unexpected_bytes + data.len() + len + UNEXPECTED_ENTRY_COST <= UNEXPECTED_LIMIT {
+                return Ok(Current::Buffered(data));
+            }
+            st = self.st_cv.wait(st).expect("endpoint state poisoned");
+        }
+    }
+
+    /// Reads `len` payload bytes into the scatter list that `sink` finds in the state,
+    /// starting `at` bytes into it. Every chunk is copied under the endpoint lock and only
+    /// while `sink` still finds the list: once a close or an error has completed the
+    /// operation it belongs to, nothing more lands in its memory.
+    fn place_locked(
+        &self,
+        r: &mut Rx,
+        mut at: usize,
+        len: usize,
+        sink: impl for<'s> Fn(&'s State) -> Option<&'s Sges>,
+    ) -> std::result::Result<(), RxEnd> {
+        let mut left = len;
+        while left > 0 {
+            let chunk = r.fill(left)?;
+            let n = chunk.len();
+            {
+                let st = self.lock();
+                match sink(&st).filter(|_| st.status == EndpointState::Connected) {
+                    Some(sges) => scatter(sges, at, chunk),
+                    None => {
+                        drop(st);
+                        r.consume(n);
+                        r.discard(left - n)?;
+                        return Err(RxEnd::Local);
+                    }
+                }
+            }
+            r.consume(n);
+            at += n;
+            left -= n;
+        }
+        Ok(())
+    }
+
+    /// Waits while the transmit queue is over [`TX_QUEUE_LIMIT`]: what we still owe the
+    /// peer must leave before we read more of what it sends.
+    fn wait_tx_room(&self) -> std::result::Result<(), RxEnd> {
+        let mut tx = self.tx.state.lock().expect("tx poisoned");
+        while tx.queue.len() >= TX_QUEUE_LIMIT && !tx.closed {
+            tx = self.tx.drained.wait(tx).expect("tx poisoned");
         }
         Ok(())
     }
@@ -1345,6 +1461,7 @@ impl Conn {
             ));
         }
         r.read_payload(&mut b)?;
+        self.check_ird("RDMA Read Request")?;
         let rr = ReadRequest::decode(&b).map_err(wire_violation)?;
         let payload = if rr.size == 0 {
             Payload::Inline(Vec::new())
@@ -1378,8 +1495,26 @@ impl Conn {
                 },
                 payload,
                 sent_seq: None,
+                inbound: true,
             },
         );
+        Ok(())
+    }
+
+    /// An inbound Read or Atomic Request beyond the IRD we advertised (responses we still
+    /// owe and have not started sending) ends the connection: DDP "no buffer" on its queue,
+    /// as an RNIC's full inbound read queue does.
+    fn check_ird(&self, what: &str) -> std::result::Result<(), RxEnd> {
+        let owed = self.tx.state.lock().expect("tx poisoned").inbound;
+        if owed >= u32::from(crate::setup::IRD) {
+            return Err(violation(
+                term::NO_BUFFER,
+                format!(
+                    "{what} beyond the advertised IRD of {}: {owed} responses still owed",
+                    crate::setup::IRD
+                ),
+            ));
+        }
         Ok(())
     }
 
@@ -1393,6 +1528,7 @@ impl Conn {
             ));
         }
         r.read_payload(&mut b)?;
+        self.check_ird("Atomic Request")?;
         let a = AtomicRequest::decode(&b).map_err(wire_violation)?;
         let t = self
             .keys
@@ -1420,24 +1556,23 @@ impl Conn {
                 Ok(v) | Err(v) => v,
             },
         };
-        let mut st = self.lock();
-        self.transmit(
-            &mut st,
-            OutMsg::control(
-                Kind::Untagged {
-                    opcode: opcode::ATOMIC_RESPONSE,
-                    ulp: 0,
-                    qn: qn::ATOMIC,
-                    msn: 0,
-                },
-                AtomicResponse {
-                    req_id: a.req_id,
-                    original,
-                }
-                .encode()
-                .to_vec(),
-            ),
+        let mut resp = OutMsg::control(
+            Kind::Untagged {
+                opcode: opcode::ATOMIC_RESPONSE,
+                ulp: 0,
+                qn: qn::ATOMIC,
+                msn: 0,
+            },
+            AtomicResponse {
+                req_id: a.req_id,
+                original,
+            }
+            .encode()
+            .to_vec(),
         );
+        resp.inbound = true;
+        let mut st = self.lock();
+        self.transmit(&mut st, resp);
         Ok(())
     }
 
@@ -1449,10 +1584,15 @@ impl Conn {
         len: usize,
         last: bool,
     ) -> std::result::Result<(), RxEnd> {
-        if r.read_cache.as_ref().is_none_or(|(s, _)| *s != stag) {
+        let total = {
             let st = self.lock();
             match st.read_sinks.get(&stag) {
-                Some(sges) => r.read_cache = Some((stag, sges.clone())),
+                Some(sges) => sges.iter().map(|s| s.2).sum::<usize>(),
+                None if st.status != EndpointState::Connected => {
+                    drop(st);
+                    r.discard(len)?;
+                    return Err(RxEnd::Local);
+                }
                 None => {
                     drop(st);
                     r.discard(len)?;
@@ -1462,10 +1602,7 @@ impl Conn {
                     ));
                 }
             }
-        }
-        // Taken out of the cache for the segment and put back after: no copy per segment.
-        let (cached_stag, sges) = r.read_cache.take().expect("cached");
-        let total: usize = sges.iter().map(|s| s.2).sum();
+        };
         if total == 0 && len > 0 {
             // The kernel's siw answers a zero-length Read it serves from its IRQ with the
             // previous WQE's stale SGE (siw_activate_tx copies the SGE only when num_sge is
@@ -1486,11 +1623,10 @@ impl Conn {
                 term::DDP_BASE_BOUNDS,
                 format!("Read Response of {len} bytes at {to} overruns a {total}-byte sink"),
             ));
-        }
-        r.read_into(&sges, to as usize, len)?;
-        if !last {
-            r.read_cache = Some((cached_stag, sges));
         } else {
+            self.place_locked(r, to as usize, len, |st| st.read_sinks.get(&stag))?;
+        }
+        if last {
             let mut st = self.lock();
             st.read_sinks.remove(&stag);
             self.response_unit(&mut st, Unit::ReadDone(stag))?;
@@ -1586,13 +1722,12 @@ enum Unit {
     Atomic(AtomicResponse),
 }
 
+/// The incoming message in progress.
 #[derive(Debug)]
 enum Current {
-    Matched {
-        recv: PostedRecv,
-        got: usize,
-        overflow: bool,
-    },
+    /// Being placed into the receive in `State::placing`, `got` bytes so far.
+    Matched { got: usize },
+    /// Being buffered as unexpected (no receive was posted when it began).
     Buffered(Vec<u8>),
 }
 
@@ -1606,7 +1741,6 @@ struct Rx {
     current: Option<Current>,
     write_len: u64,
     last_write_len: u64,
-    read_cache: Option<(u32, Sges)>,
     rtr_seen: bool,
 }
 
@@ -1620,7 +1754,6 @@ impl Rx {
             current: None,
             write_len: 0,
             last_write_len: 0,
-            read_cache: None,
             rtr_seen: false,
         }
     }
@@ -1633,20 +1766,35 @@ impl Rx {
         Ok(())
     }
 
-    /// Reads `len` payload bytes into the scatter list `sges`, starting `at` bytes into it.
-    fn read_into(&mut self, sges: &Sges, mut at: usize, mut len: usize) -> io::Result<()> {
-        for (b, off, slen) in sges {
-            if len == 0 {
-                break;
-            }
-            if at >= *slen {
-                at -= slen;
-                continue;
-            }
-            let take = (slen - at).min(len);
-            b.with_slice_mut(off + at, take, |s| self.read_payload(s))?;
-            len -= take;
-            at = 0;
+    /// Up to `max` payload bytes that have arrived (at least one; blocks until then). Not
+    /// consumed until [`consume`](Self::consume).
+    fn fill(&mut self, max: usize) -> io::Result<&[u8]> {
+        let buf = self.reader.fill_buf()?;
+        if buf.is_empty() {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        let n = buf.len().min(max);
+        Ok(&buf[..n])
+    }
+
+    /// Consumes `n` bytes returned by [`fill`](Self::fill), adding them to the CRC.
+    fn consume(&mut self, n: usize) {
+        if let Some(c) = self.crc.as_mut() {
+            *c = crc32c::crc32c_append(*c, &self.reader.buffer()[..n]);
+        }
+        self.reader.consume(n);
+    }
+
+    /// Reads `len` payload bytes into `buffer` at `offset`, chunk by chunk, with the
+    /// buffer's word-atomic copies: no reference to the memory is ever held.
+    fn place(&mut self, buffer: &Buffer, offset: usize, len: usize) -> io::Result<()> {
+        let mut done = 0;
+        while done < len {
+            let chunk = self.fill(len - done)?;
+            let n = chunk.len();
+            buffer.write(offset + done, chunk);
+            self.consume(n);
+            done += n;
         }
         Ok(())
     }

@@ -5,11 +5,11 @@
 //! the endpoint's transmit thread, which sleeps on a condition variable when idle.
 
 use std::collections::VecDeque;
-use std::io::{IoSlice, Write};
 use std::net::TcpStream;
+use std::os::fd::AsFd;
 use std::sync::{Arc, Condvar, Mutex};
 
-use fabric_api::Buffer;
+use fabric_api::{send_gather, Buffer, IoPiece};
 
 use crate::wire::ddp::Header;
 use crate::wire::mpa;
@@ -31,26 +31,50 @@ impl Payload {
         }
     }
 
-    /// Calls `f` with the pieces covering `[off, off+len)` of the payload.
+    /// Calls `f` with copies of the bytes covering `[off, off+len)` of the payload, a chunk
+    /// at a time (registered memory is copied out word-atomically, never borrowed).
     fn pieces(&self, off: usize, len: usize, f: &mut dyn FnMut(&[u8])) {
         match self {
             Payload::Inline(v) => f(&v[off..off + len]),
-            Payload::Memory(parts) => {
-                let (mut skip, mut left) = (off, len);
-                for (buf, start, plen) in parts {
-                    if left == 0 {
-                        break;
+            Payload::Memory(_) => {
+                let mut chunk = [0u8; 4096];
+                self.for_each_range(off, len, &mut |buf, start, take| {
+                    let mut done = 0;
+                    while done < take {
+                        let n = (take - done).min(chunk.len());
+                        buf.read(start + done, &mut chunk[..n]);
+                        f(&chunk[..n]);
+                        done += n;
                     }
-                    if skip >= *plen {
-                        skip -= plen;
-                        continue;
-                    }
-                    let take = (plen - skip).min(left);
-                    buf.with_slice(start + skip, take, |s| f(s));
-                    left -= take;
-                    skip = 0;
-                }
+                });
             }
+        }
+    }
+
+    /// Calls `f(buffer, offset, len)` for the registered-memory ranges covering
+    /// `[off, off+len)` of a `Memory` payload.
+    fn for_each_range<'a>(
+        &'a self,
+        off: usize,
+        len: usize,
+        f: &mut dyn FnMut(&'a Buffer, usize, usize),
+    ) {
+        let Payload::Memory(parts) = self else {
+            return;
+        };
+        let (mut skip, mut left) = (off, len);
+        for (buf, start, plen) in parts {
+            if left == 0 {
+                break;
+            }
+            if skip >= *plen {
+                skip -= plen;
+                continue;
+            }
+            let take = (plen - skip).min(left);
+            f(buf, start + skip, take);
+            left -= take;
+            skip = 0;
         }
     }
 }
@@ -76,6 +100,9 @@ pub(crate) struct OutMsg {
     pub payload: Payload,
     /// Send-queue sequence number to mark as sent once fully written.
     pub sent_seq: Option<u64>,
+    /// A Read or Atomic Response: counts against the IRD we advertised until the
+    /// transmit thread takes it.
+    pub inbound: bool,
 }
 
 impl OutMsg {
@@ -84,6 +111,7 @@ impl OutMsg {
             kind,
             payload: Payload::Inline(payload),
             sent_seq: None,
+            inbound: false,
         }
     }
 
@@ -161,49 +189,50 @@ impl OutMsg {
         out
     }
 
-    /// Writes the message with blocking writes, payload straight from registered memory
-    /// when a segment lies in one range (gather lists spanning ranges are copied).
-    pub fn write_to(&self, mut sock: &TcpStream, max_seg: usize, crc: bool) -> std::io::Result<()> {
+    /// Writes the message with blocking writes. Without CRC the kernel reads the payload
+    /// straight from registered memory (one gather list per FPDU); with CRC the FPDU's
+    /// payload is copied first, so the CRC covers exactly the bytes that are sent.
+    pub fn write_to(&self, sock: &TcpStream, max_seg: usize, crc: bool) -> std::io::Result<()> {
         self.for_each_fpdu(max_seg, crc, |head, off, seg, trailer| {
-            let mut write = |data: &[u8]| {
-                let mut slices = [
-                    IoSlice::new(head),
-                    IoSlice::new(data),
-                    IoSlice::new(trailer),
-                ];
-                write_all_vectored(&mut sock, &mut slices)
-            };
+            let mut pieces = Vec::with_capacity(4);
+            pieces.push(IoPiece::Bytes(head));
+            let joined;
             match &self.payload {
-                Payload::Inline(v) => write(&v[off..off + seg]),
-                Payload::Memory(parts) => {
-                    let mut skip = off;
-                    for (buf, start, plen) in parts {
-                        if skip < *plen && skip + seg <= *plen {
-                            return buf.with_slice(start + skip, seg, write);
-                        }
-                        if skip < *plen {
-                            break;
-                        }
-                        skip -= plen;
-                    }
-                    let mut joined = Vec::with_capacity(seg);
+                Payload::Inline(v) => pieces.push(IoPiece::Bytes(&v[off..off + seg])),
+                Payload::Memory(parts)
+                    if !crc && parts.len() < fabric_api::mem::MAX_IO_PIECES - 2 =>
+                {
                     self.payload
-                        .pieces(off, seg, &mut |s| joined.extend_from_slice(s));
-                    write(&joined)
+                        .for_each_range(off, seg, &mut |buffer, offset, len| {
+                            pieces.push(IoPiece::Buffer {
+                                buffer,
+                                offset,
+                                len,
+                            })
+                        });
+                }
+                Payload::Memory(_) => {
+                    let mut v = Vec::with_capacity(seg);
+                    self.payload
+                        .pieces(off, seg, &mut |s| v.extend_from_slice(s));
+                    joined = v;
+                    pieces.push(IoPiece::Bytes(&joined));
                 }
             }
+            pieces.push(IoPiece::Bytes(trailer));
+            send_all(sock, &pieces)
         })
     }
 }
 
-fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
-    IoSlice::advance_slices(&mut bufs, 0);
-    while !bufs.is_empty() {
-        match w.write_vectored(bufs) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+/// Sends every piece with blocking `sendmsg` calls.
+fn send_all(sock: &TcpStream, pieces: &[IoPiece<'_>]) -> std::io::Result<()> {
+    let total: usize = pieces.iter().map(IoPiece::len).sum();
+    let mut sent = 0;
+    while sent < total {
+        match send_gather(sock.as_fd(), pieces, sent, 0)? {
+            0 => return Err(std::io::ErrorKind::WriteZero.into()),
+            n => sent += n,
         }
     }
     Ok(())
@@ -213,7 +242,19 @@ fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> std::
 #[derive(Debug)]
 pub(crate) enum Queued {
     Msg(OutMsg),
-    Tail(Vec<u8>, Option<u64>),
+    /// Bytes, the send-queue sequence number to mark as sent, and whether it is a response
+    /// counted against our IRD.
+    Tail(Vec<u8>, Option<u64>, bool),
+}
+
+impl Queued {
+    /// A Read or Atomic Response (counted against our IRD while queued).
+    pub fn inbound(&self) -> bool {
+        match self {
+            Queued::Msg(m) => m.inbound,
+            Queued::Tail(_, _, inbound) => *inbound,
+        }
+    }
 }
 
 /// The transmit queue of one endpoint.
@@ -224,6 +265,8 @@ pub(crate) struct TxQueue {
     pub busy: bool,
     /// No more output: the thread exits once the queue is empty.
     pub closed: bool,
+    /// Read and Atomic Responses queued and not yet taken by the transmit thread.
+    pub inbound: u32,
 }
 
 /// Shared transmit state: the queue and its condition variable.
@@ -231,4 +274,7 @@ pub(crate) struct TxQueue {
 pub(crate) struct Tx {
     pub state: Mutex<TxQueue>,
     pub wake: Condvar,
+    /// Signalled whenever the transmit thread takes an item (the receive thread waits on
+    /// it while the queue is over its bound).
+    pub drained: Condvar,
 }
