@@ -3,6 +3,7 @@
 use crate::harness::Case;
 
 mod atomic;
+mod backlog;
 mod bad;
 mod conn;
 mod cq;
@@ -26,6 +27,7 @@ pub fn all_cases() -> Vec<Case> {
     v.extend(rma::cases());
     v.extend(atomic::cases());
     v.extend(cq::cases());
+    v.extend(backlog::cases());
     v.extend(conn::cases());
     v.extend(bad::cases());
     v
