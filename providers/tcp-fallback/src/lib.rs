@@ -24,14 +24,14 @@
 mod conn;
 mod cq;
 mod keys;
+pub mod listen;
 mod setup;
 mod tx;
 pub mod wire;
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener as StdListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -68,7 +68,15 @@ pub struct TcpOptions {
     pub extensions: bool,
     /// Largest payload per FPDU (bounded by MPA's 16-bit length).
     pub max_segment: usize,
+    /// How long a silent peer host may stay silent before its endpoints fail with
+    /// `RetryExceeded` (semantics.md section 7): TCP keepalive probes an idle connection
+    /// (idle for a third of this, then 5 probes spread over the rest) and
+    /// `TCP_USER_TIMEOUT` bounds unacknowledged output by the same figure.
+    pub dead_peer_timeout: Duration,
 }
+
+/// Keepalive probes sent before a silent peer is declared dead.
+const KEEPALIVE_PROBES: u32 = 5;
 
 impl Default for TcpOptions {
     fn default() -> Self {
@@ -76,6 +84,7 @@ impl Default for TcpOptions {
             crc: false,
             extensions: true,
             max_segment: 65_472,
+            dead_peer_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -155,6 +164,15 @@ impl TcpDomain {
                 format!("tcp max_segment {} outside 1..=65517", opts.max_segment),
             ));
         }
+        if !(Duration::from_secs(2)..=Duration::from_secs(3600)).contains(&opts.dead_peer_timeout) {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "tcp dead_peer_timeout {:?} outside 2 s..=3600 s",
+                    opts.dead_peer_timeout
+                ),
+            ));
+        }
         Ok(TcpDomain {
             shared: Arc::new(DomainShared {
                 id: fabric_api::region::next_domain_id(),
@@ -165,19 +183,21 @@ impl TcpDomain {
         })
     }
 
+    /// Sets up an endpoint on a connected socket: as initiator (`request` is `None`: send
+    /// the MPA Request, read the Reply) or as responder to a request the listener read.
     fn endpoint(
         &self,
         mut sock: TcpStream,
         cfg: &EndpointConfig<'_, TcpCq>,
-        initiator: bool,
+        request: Option<wire::mpa::MpaFrame>,
     ) -> Result<TcpEndpoint> {
         check_depths(cfg)?;
         sock.set_nodelay(true)?;
+        dead_peer_detection(&sock, self.shared.opts.dead_peer_timeout)?;
         let opts = &self.shared.opts;
-        let neg = if initiator {
-            setup::initiate(&mut sock, opts, cfg.private_data, cfg.timeout)?
-        } else {
-            setup::respond(&mut sock, opts, cfg.private_data, cfg.timeout)?
+        let neg = match request {
+            None => setup::initiate(&mut sock, opts, cfg.private_data, cfg.timeout)?,
+            Some(req) => setup::respond(&mut sock, req, opts, cfg.private_data)?,
         };
         tracing::debug!(peer = ?sock.peer_addr().ok(), features = neg.features, crc = neg.crc, ord = neg.ord, "tcp endpoint connected");
         let conn = conn::Conn::new(
@@ -194,6 +214,25 @@ impl TcpDomain {
         conn.start()?;
         Ok(TcpEndpoint { conn })
     }
+}
+
+/// Keepalive and `TCP_USER_TIMEOUT` so that a peer host that goes silent (powered off,
+/// unplugged, its packets dropped) fails the connection within `bound`: an idle connection
+/// is probed after `bound / 3`, then [`KEEPALIVE_PROBES`] times over the rest; output the
+/// peer never acknowledges fails after `bound`. The receive thread then reads `ETIMEDOUT`,
+/// and outstanding operations complete `RetryExceeded`.
+fn dead_peer_detection(sock: &TcpStream, bound: Duration) -> Result<()> {
+    let idle = (bound / 3).max(Duration::from_secs(1));
+    // Keepalive timers have a resolution of one second.
+    let interval = ((bound - idle) / KEEPALIVE_PROBES).max(Duration::from_secs(1));
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(idle)
+        .with_interval(interval)
+        .with_retries(KEEPALIVE_PROBES);
+    let s = socket2::SockRef::from(sock);
+    s.set_tcp_keepalive(&ka)?;
+    s.set_tcp_user_timeout(Some(bound))?;
+    Ok(())
 }
 
 fn check_depths<C>(cfg: &EndpointConfig<'_, C>) -> Result<()> {
@@ -241,31 +280,10 @@ impl spi::Domain for TcpDomain {
     fn listen(&self, addr: SocketAddr) -> Result<TcpListener> {
         let listener = StdListener::bind(addr)?;
         let local = listener.local_addr()?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let (tx, rx) = mpsc::channel();
-        let stop2 = stop.clone();
-        std::thread::Builder::new()
-            .name(format!("fabric-tcp-listen {local}"))
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    if stop2.load(Ordering::Acquire) {
-                        break;
-                    }
-                    match conn {
-                        Ok(s) => {
-                            if tx.send(s).is_err() {
-                                break;
-                            }
-                        }
-                        Err(e) => tracing::warn!("accept failed: {e}"),
-                    }
-                }
-            })?;
         Ok(TcpListener {
             domain: self.clone(),
             local,
-            incoming: Mutex::new(rx),
-            stop,
+            acceptor: Mutex::new(listen::Acceptor::start(listener)?),
         })
     }
 
@@ -294,18 +312,18 @@ impl spi::Domain for TcpDomain {
                 _ => e,
             }
         })?;
-        self.endpoint(sock, cfg, true)
+        self.endpoint(sock, cfg, None)
     }
 }
 
-/// A listener: a thread accepts TCP connections; [`accept`](spi::Listener::accept) runs the
-/// MPA exchange for the next one.
+/// A listener: its thread accepts TCP connections and reads their MPA Requests without
+/// blocking on any one ([`listen`]); [`accept`](spi::Listener::accept) answers the next
+/// complete request.
 #[derive(Debug)]
 pub struct TcpListener {
     domain: TcpDomain,
     local: SocketAddr,
-    incoming: Mutex<Receiver<TcpStream>>,
-    stop: Arc<AtomicBool>,
+    acceptor: Mutex<listen::Acceptor>,
 }
 
 impl spi::Listener for TcpListener {
@@ -318,11 +336,12 @@ impl spi::Listener for TcpListener {
 
     fn accept(&self, cfg: &EndpointConfig<'_, TcpCq>, timeout: Duration) -> Result<TcpEndpoint> {
         let deadline = Instant::now() + timeout;
-        let incoming = self.incoming.lock().expect("listener poisoned");
+        // Held only to take the next complete request: answering it never waits on a peer.
+        let acceptor = self.acceptor.lock().expect("listener poisoned");
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let sock = match incoming.recv_timeout(left) {
-                Ok(s) => s,
+            let incoming = match acceptor.ready.recv_timeout(left) {
+                Ok(i) => i,
                 Err(RecvTimeoutError::Timeout) => {
                     return Err(Error::new(
                         ErrorKind::TimedOut,
@@ -333,24 +352,17 @@ impl spi::Listener for TcpListener {
                     return Err(Error::new(ErrorKind::InvalidState, "listener stopped"))
                 }
             };
-            let peer = sock.peer_addr().ok();
-            let mut c = *cfg;
-            c.timeout = cfg.timeout.min(left.max(Duration::from_millis(100)));
-            match self.domain.endpoint(sock, &c, false) {
+            let peer = incoming.peer;
+            match self
+                .domain
+                .endpoint(incoming.sock, cfg, Some(incoming.request))
+            {
                 Ok(ep) => return Ok(ep),
                 Err(e) if e.kind() == ErrorKind::InvalidArgument => return Err(e),
                 // A bad request costs that peer its connection, not the listener.
-                Err(e) => tracing::warn!(?peer, "connection request failed: {e}"),
+                Err(e) => tracing::warn!(%peer, "connection request failed: {e}"),
             }
         }
-    }
-}
-
-impl Drop for TcpListener {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        // Wake the accepting thread so it sees the flag.
-        let _ = TcpStream::connect_timeout(&self.local, Duration::from_millis(200));
     }
 }
 

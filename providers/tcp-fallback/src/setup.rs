@@ -150,17 +150,15 @@ fn features_of(opts: &TcpOptions) -> u8 {
     }
 }
 
-/// Responder side: reads the MPA Request and answers it.
+/// Responder side: answers the MPA Request `req`, which the listener has already read
+/// (without blocking anyone: see [`crate::listen`]).
 pub(crate) fn respond(
     sock: &mut TcpStream,
+    req: MpaFrame,
     opts: &TcpOptions,
     private_data: &[u8],
-    timeout: Duration,
 ) -> Result<Negotiated> {
     user_pd_check(private_data)?;
-    sock.set_read_timeout(Some(timeout))?;
-    let req = read_frame(sock, false)?;
-    sock.set_read_timeout(None)?;
     let revision = req.revision.min(2);
     let reject = |sock: &mut TcpStream, why: &str| -> Error {
         let f = MpaFrame {
