@@ -24,12 +24,26 @@
 //! crc = false                        # ask for MPA CRC32c
 //! extensions = true                  # announce atomics / immediate data / acks to our peers
 //! max_segment = 65472                # payload bytes per FPDU
+//!
+//! hooks = ["trace", "fault"]         # wrap the provider (FABRIC_HOOKS=trace,fault)
+//!
+//! [fault]                            # what the fault hook injects (FABRIC_FAULT overrides)
+//! seed = 42                          # default: random, shown in the selection report
+//! fail_post = { every_nth = 10, kind = "QueueFull" }      # the post returns this error
+//! delay = { probability = 0.1, ms = 50 }                  # completions held back
+//! drop = { every_nth = 100, status = "RetryExceeded" }    # success reported as this error
+//! cut = { every_nth = 1000 }                              # connection closed after a post
 //! ```
+//!
+//! `FABRIC_HOOKS` replaces the file's hook list (empty: none); `FABRIC_FAULT` holds
+//! `key=value` pairs of the `[fault]` table (`seed=7,fail_post.every_nth=3`) and replaces
+//! the sections it names. See [`fabric_hook`] for what each fault does.
 
 use std::fmt;
 use std::path::Path;
 
 use fabric_api::{Availability, Error, ErrorKind, OpSet, ProviderInfo, Result};
+use fabric_hook::{FaultConfig, HookConfig};
 use fabric_ib::IbDomain;
 use fabric_iwarp::IwarpDomain;
 use fabric_roce::RoceDomain;
@@ -46,6 +60,10 @@ pub const PROVIDER_NAMES: [&str; 4] = ["ib", "roce", "iwarp", "tcp"];
 pub const ENV_PROVIDER: &str = "FABRIC_PROVIDER";
 /// Environment variable naming a TOML config file.
 pub const ENV_CONFIG: &str = "FABRIC_CONFIG";
+/// Environment variable holding the hook list (`trace,fault`).
+pub const ENV_HOOKS: &str = "FABRIC_HOOKS";
+/// Environment variable holding fault settings (`seed=7,fail_post.every_nth=3`).
+pub const ENV_FAULT: &str = "FABRIC_FAULT";
 
 /// Every provider this framework knows, with availability, devices and capabilities.
 pub fn discover() -> Vec<ProviderInfo> {
@@ -124,6 +142,8 @@ struct FileConfig {
     roce: Option<VerbsSection>,
     iwarp: Option<VerbsSection>,
     ib: Option<VerbsSection>,
+    hooks: Option<Vec<String>>,
+    fault: Option<FaultConfig>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -173,6 +193,9 @@ pub struct Selector {
     roce: VerbsOptions,
     iwarp: VerbsOptions,
     ib: VerbsOptions,
+    trace: bool,
+    fault_on: bool,
+    fault: FaultConfig,
     sources: Vec<String>,
 }
 
@@ -186,6 +209,9 @@ impl Default for Selector {
             roce: VerbsOptions::default(),
             iwarp: VerbsOptions::default(),
             ib: VerbsOptions::default(),
+            trace: false,
+            fault_on: false,
+            fault: FaultConfig::default(),
             sources: Vec::new(),
         }
     }
@@ -211,6 +237,19 @@ impl Selector {
                 )
             })?;
             s.sources.push(format!("{ENV_PROVIDER}={spec}"));
+        }
+        if let Ok(list) = std::env::var(ENV_HOOKS) {
+            s = s.hook_list(&list).map_err(|e| {
+                Error::new(ErrorKind::Config, format!("{ENV_HOOKS}: {}", e.message()))
+            })?;
+            s.sources.push(format!("{ENV_HOOKS}={list}"));
+        }
+        if let Ok(spec) = std::env::var(ENV_FAULT) {
+            let f = FaultConfig::from_spec(&spec).map_err(|e| {
+                Error::new(ErrorKind::Config, format!("{ENV_FAULT}: {}", e.message()))
+            })?;
+            s.fault = std::mem::take(&mut s.fault).merge(f);
+            s.sources.push(format!("{ENV_FAULT}={spec}"));
         }
         Ok(s)
     }
@@ -264,6 +303,14 @@ impl Selector {
         if let Some(v) = cfg.ib {
             v.apply("ib", &mut self.ib)?;
         }
+        if let Some(list) = cfg.hooks {
+            self = self
+                .hook_list(&list.join(","))
+                .map_err(|e| Error::new(ErrorKind::Config, format!("hooks: {}", e.message())))?;
+        }
+        if let Some(f) = cfg.fault {
+            self.fault = std::mem::take(&mut self.fault).merge(f);
+        }
         Ok(self)
     }
 
@@ -308,6 +355,47 @@ impl Selector {
     pub fn ib_options(mut self, opts: VerbsOptions) -> Self {
         self.ib = opts;
         self
+    }
+
+    /// Switches hooks on or off from a list such as `"trace,fault"` (the syntax of
+    /// `FABRIC_HOOKS`; empty turns every hook off). Unknown names are an error listing the
+    /// valid ones. The fault hook injects what the `[fault]` table or
+    /// [`fault`](Self::fault) set.
+    pub fn hook_list(mut self, list: &str) -> Result<Self> {
+        let (trace, fault) = HookConfig::parse_list(list)?;
+        self.trace = trace;
+        self.fault_on = fault;
+        Ok(self)
+    }
+
+    /// Sets every hook at once: tracing on or off, and the faults to inject (`None`: the
+    /// fault hook off).
+    pub fn hooks(mut self, hooks: HookConfig) -> Self {
+        self.trace = hooks.trace;
+        self.fault_on = hooks.fault.is_some();
+        self.fault = hooks.fault.unwrap_or_default();
+        self
+    }
+
+    /// Turns the tracing hook on or off.
+    pub fn trace(mut self, on: bool) -> Self {
+        self.trace = on;
+        self
+    }
+
+    /// Turns the fault hook on with these faults.
+    pub fn fault(mut self, fault: FaultConfig) -> Self {
+        self.fault_on = true;
+        self.fault = fault;
+        self
+    }
+
+    /// The hooks [`open`](Self::open) wraps the domain with.
+    pub fn hook_config(&self) -> HookConfig {
+        HookConfig {
+            trace: self.trace,
+            fault: self.fault_on.then(|| self.fault.clone()),
+        }
     }
 
     /// The discovery entry of provider `name` under this selector's options.
@@ -391,6 +479,8 @@ impl Selector {
                         .unwrap_or_default(),
                 ),
             };
+            let domain = domain.with_hooks(self.hook_config());
+            let hooks = domain.hooks().map(|h| h.describe()).unwrap_or_default();
             let report = SelectionReport {
                 provider: name,
                 device,
@@ -402,8 +492,9 @@ impl Selector {
                     .collect(),
                 rejected,
                 sources: self.sources.clone(),
+                hooks,
             };
-            tracing::info!(provider = %report.provider, device = %report.device, emulated = ?report.emulated, rejected = ?report.rejected, "fabric provider selected");
+            tracing::info!(provider = %report.provider, device = %report.device, emulated = ?report.emulated, rejected = ?report.rejected, hooks = ?report.hooks, "fabric provider selected");
             return Ok((domain, report));
         }
         let why: Vec<String> = rejected.iter().map(|(n, w)| format!("{n}: {w}")).collect();
@@ -427,6 +518,8 @@ pub struct SelectionReport {
     pub rejected: Vec<(String, String)>,
     /// Where the configuration came from.
     pub sources: Vec<String>,
+    /// Hooks wrapping the provider (tracing, fault injection with its seed); empty when none.
+    pub hooks: Vec<String>,
 }
 
 impl fmt::Display for SelectionReport {
@@ -440,6 +533,9 @@ impl fmt::Display for SelectionReport {
         }
         for e in &self.emulated {
             writeln!(f, "emulated: {e}")?;
+        }
+        for h in &self.hooks {
+            writeln!(f, "hook active: {h}")?;
         }
         Ok(())
     }
@@ -487,6 +583,7 @@ mod tests {
                         emulated: vec![],
                         rejected: vec![],
                         sources: vec![],
+                        hooks: vec![],
                     },
                 )
             });
@@ -502,6 +599,84 @@ mod tests {
             .unwrap_err();
         assert!(e.message().contains("only emulated"), "{e}");
         assert!(Selector::new().require(OpSet::FETCH_ADD).open().is_ok());
+    }
+
+    #[test]
+    fn hooks_and_faults_come_from_the_config_text() {
+        let s = Selector::new()
+            .config_str(
+                "hooks = [\"trace\", \"fault\"]\n[fault]\nseed = 3\n\
+                 fail_post = { every_nth = 2, kind = \"Flushed\" }\n\
+                 cut = { probability = 0.25 }\n",
+            )
+            .unwrap();
+        let h = s.hook_config();
+        assert!(h.trace);
+        let f = h.fault.unwrap();
+        assert_eq!(f.seed, Some(3));
+        assert_eq!(f.fail_post.unwrap().kind, ErrorKind::Flushed);
+        assert_eq!(f.cut.unwrap().trigger.probability, 0.25);
+
+        // A [fault] table alone configures, the hook list switches on.
+        let s = Selector::new()
+            .config_str("[fault]\ndelay = { every_nth = 1, ms = 5 }\n")
+            .unwrap();
+        assert!(!s.hook_config().is_active());
+        assert!(s.hook_list("fault").unwrap().hook_config().fault.is_some());
+        assert!(!Selector::new()
+            .trace(true)
+            .hook_list("")
+            .unwrap()
+            .hook_config()
+            .is_active());
+    }
+
+    #[test]
+    fn bad_hook_config_names_the_key() {
+        let msg = |text: &str| Selector::new().config_str(text).unwrap_err().to_string();
+        let m = msg("hooks = [\"trace\", \"chaos\"]");
+        assert!(
+            m.contains("hooks") && m.contains("chaos") && m.contains("trace, fault"),
+            "{m}"
+        );
+        let m = msg("[fault]\ndrop = { every_nth = 0 }");
+        assert!(m.contains("fault.drop"), "{m}");
+        let m = msg("[fault]\nfail_post = { every_nth = 1, kind = \"Nope\" }");
+        assert!(
+            m.contains("fault.fail_post.kind") && m.contains("QueueFull"),
+            "{m}"
+        );
+        let m = msg("[fault]\ndelay = { probability = 2.0, ms = 1 }");
+        assert!(m.contains("fault.delay.probability"), "{m}");
+        let m = msg("[fault]\ncut = { every_nth = 1, when = 3 }");
+        assert!(m.contains("when"), "{m}");
+        let m = msg("[fault]\nseeds = 1");
+        assert!(m.contains("seeds"), "{m}");
+        let m = msg("[hooks]\ntrace = true");
+        assert!(m.contains("hooks"), "{m}");
+        assert_eq!(
+            Selector::new().hook_list("trace,x").unwrap_err().kind(),
+            ErrorKind::Config
+        );
+    }
+
+    #[test]
+    fn the_report_names_the_active_hooks() {
+        let (domain, report) = Selector::new()
+            .providers("tcp")
+            .unwrap()
+            .fault(FaultConfig::new().seed(11))
+            .trace(true)
+            .open()
+            .unwrap();
+        assert!(domain.hooks().is_some());
+        assert_eq!(report.hooks.len(), 2, "{report:?}");
+        let text = report.to_string();
+        assert!(text.contains("hook active: trace"), "{text}");
+        assert!(text.contains("hook active: fault (seed 11"), "{text}");
+        let (domain, report) = Selector::new().providers("tcp").unwrap().open().unwrap();
+        assert!(domain.hooks().is_none() && report.hooks.is_empty());
+        assert!(!report.to_string().contains("hook"));
     }
 
     #[test]

@@ -14,6 +14,7 @@ use fabric_api::{
     Access, Buffer, Completion, EndpointState, Error, MemoryRegion, OpSet, ProviderInfo, RecvWr,
     Result, SendWr,
 };
+use fabric_hook::{HookCq, HookDomain, HookEndpoint, HookListener};
 use fabric_ib::{IbCq, IbDomain, IbEndpoint, IbListener};
 use fabric_iwarp::{IwarpCq, IwarpDomain, IwarpEndpoint, IwarpListener};
 use fabric_roce::{RoceCq, RoceDomain, RoceEndpoint, RoceListener};
@@ -93,6 +94,8 @@ pub enum AnyDomain {
     Iwarp(IwarpDomain),
     /// InfiniBand on the verbs core.
     Ib(IbDomain),
+    /// Any of the above with hooks (tracing, fault injection): see [`fabric_hook`].
+    Hooked(HookDomain<ErasedDomain>),
 }
 
 /// A completion queue of the selected provider.
@@ -107,6 +110,8 @@ pub enum AnyCq {
     Iwarp(IwarpCq),
     /// InfiniBand on the verbs core.
     Ib(IbCq),
+    /// Any of the above with hooks (tracing, fault injection): see [`fabric_hook`].
+    Hooked(HookCq<ErasedCq>),
 }
 
 /// An endpoint of the selected provider.
@@ -121,6 +126,8 @@ pub enum AnyEndpoint {
     Iwarp(IwarpEndpoint),
     /// InfiniBand on the verbs core.
     Ib(IbEndpoint),
+    /// Any of the above with hooks (tracing, fault injection): see [`fabric_hook`].
+    Hooked(HookEndpoint<ErasedEndpoint>),
 }
 
 /// A listener of the selected provider.
@@ -135,6 +142,8 @@ pub enum AnyListener {
     Iwarp(IwarpListener),
     /// InfiniBand on the verbs core.
     Ib(IbListener),
+    /// Any of the above with hooks (tracing, fault injection): see [`fabric_hook`].
+    Hooked(HookListener<ErasedListener>),
 }
 
 /// Ties a provider's completion-queue type to its [`AnyCq`] variant.
@@ -269,5 +278,153 @@ where
     }
     fn accept(&self, cfg: &EndpointConfig<'_, AnyCq>, timeout: Duration) -> Result<AnyEndpoint> {
         spi::Listener::accept(self, &narrow(cfg)?, timeout).map(Into::into)
+    }
+}
+
+impl ProviderTypes for HookCq<ErasedCq> {
+    fn from_any(cq: &AnyCq) -> Result<&Self> {
+        match cq {
+            AnyCq::Hooked(c) => Ok(c),
+            _ => Err(Error::invalid(
+                "completion queue is not hooked: create it from the hooked domain",
+            )),
+        }
+    }
+}
+
+/// A domain of any provider seen through the provider traits, so that the generic hooks of
+/// [`fabric_hook`] can wrap it ([`AnyDomain::Hooked`]).
+#[derive(Debug)]
+pub struct ErasedDomain(pub AnyDomain);
+
+/// A completion queue of any provider seen through the provider traits (inside a hooked
+/// queue).
+#[derive(Debug, Clone)]
+pub struct ErasedCq(pub AnyCq);
+
+/// An endpoint of any provider seen through the provider traits (inside a hooked endpoint).
+#[derive(Debug)]
+pub struct ErasedEndpoint(pub AnyEndpoint);
+
+/// A listener of any provider seen through the provider traits (inside a hooked listener).
+#[derive(Debug)]
+pub struct ErasedListener(pub AnyListener);
+
+fn widen<'a>(cfg: &EndpointConfig<'a, ErasedCq>) -> EndpointConfig<'a, AnyCq> {
+    cfg.with_cqs(&cfg.send_cq.0, &cfg.recv_cq.0)
+}
+
+impl spi::Domain for ErasedDomain {
+    type Cq = ErasedCq;
+    type Endpoint = ErasedEndpoint;
+    type Listener = ErasedListener;
+
+    fn info(&self) -> &ProviderInfo {
+        self.0.info()
+    }
+    fn register(&self, buffer: Arc<Buffer>, access: Access) -> Result<MemoryRegion> {
+        self.0.register(buffer, access)
+    }
+    fn create_cq(&self, capacity: usize) -> Result<ErasedCq> {
+        self.0.create_cq(capacity).map(ErasedCq)
+    }
+    fn listen(&self, addr: SocketAddr) -> Result<ErasedListener> {
+        self.0.listen(addr).map(ErasedListener)
+    }
+    fn connect(
+        &self,
+        addr: SocketAddr,
+        cfg: &EndpointConfig<'_, ErasedCq>,
+    ) -> Result<ErasedEndpoint> {
+        self.0.connect(addr, &widen(cfg)).map(ErasedEndpoint)
+    }
+}
+
+impl spi::CompletionQueue for ErasedCq {
+    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        self.0.poll(out, max)
+    }
+    fn wait(&self, timeout: Duration) -> Result<bool> {
+        self.0.wait(timeout)
+    }
+    fn capacity(&self) -> usize {
+        self.0.capacity()
+    }
+}
+
+impl spi::Endpoint for ErasedEndpoint {
+    fn post_send(&self, wr: &SendWr<'_>) -> Result<()> {
+        self.0.post_send(wr)
+    }
+    fn post_recv(&self, wr: &RecvWr<'_>) -> Result<()> {
+        self.0.post_recv(wr)
+    }
+    fn state(&self) -> EndpointState {
+        self.0.state()
+    }
+    fn peer_private_data(&self) -> Vec<u8> {
+        self.0.peer_private_data()
+    }
+    fn local_addr(&self) -> SocketAddr {
+        self.0.local_addr()
+    }
+    fn peer_addr(&self) -> SocketAddr {
+        self.0.peer_addr()
+    }
+    fn emulated(&self) -> Vec<String> {
+        self.0.emulated()
+    }
+    fn ops(&self) -> OpSet {
+        self.0.ops()
+    }
+    fn close(&self) -> Result<()> {
+        self.0.close()
+    }
+}
+
+impl spi::Listener for ErasedListener {
+    type Cq = ErasedCq;
+    type Endpoint = ErasedEndpoint;
+
+    fn local_addr(&self) -> SocketAddr {
+        self.0.local_addr()
+    }
+    fn accept(
+        &self,
+        cfg: &EndpointConfig<'_, ErasedCq>,
+        timeout: Duration,
+    ) -> Result<ErasedEndpoint> {
+        self.0.accept(&widen(cfg), timeout).map(ErasedEndpoint)
+    }
+}
+
+impl AnyDomain {
+    /// The hooks of a hooked domain (`None` when no hook is active): its fault counts
+    /// ([`HookDomain::stats`]), seed and description.
+    pub fn hooks(&self) -> Option<&HookDomain<ErasedDomain>> {
+        match self {
+            AnyDomain::Hooked(h) => Some(h),
+            _ => None,
+        }
+    }
+
+    /// Wraps this domain with `hooks` (nothing changes when no hook is active).
+    pub fn with_hooks(self, hooks: fabric_hook::HookConfig) -> AnyDomain {
+        if hooks.is_active() {
+            AnyDomain::Hooked(HookDomain::new(ErasedDomain(self), hooks))
+        } else {
+            self
+        }
+    }
+}
+
+impl AnyEndpoint {
+    /// The hooked endpoint, for [`HookEndpoint::cut_connection`] (`None` when its domain
+    /// has no hooks).
+    pub fn hooks(&self) -> Option<&HookEndpoint<ErasedEndpoint>> {
+        match self {
+            AnyEndpoint::Hooked(h) => Some(h),
+            _ => None,
+        }
     }
 }

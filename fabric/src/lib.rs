@@ -23,6 +23,12 @@
 //! [`ListenerOps`]) next to the enums ([`AnyDomain`], [`AnyCq`], [`AnyEndpoint`],
 //! [`AnyListener`]) and implements them once, generically, for every provider type. The
 //! only per-provider code is one line in [`dispatch`] naming its types.
+//!
+//! # Hooks
+//! `FABRIC_HOOKS=trace,fault`, `hooks = [...]` with a `[fault]` table in the config file, or
+//! [`Selector::hooks`] wrap the selected provider in [`hook`]'s tracing and fault-injecting
+//! wrappers: the domain is then [`AnyDomain::Hooked`] and its queues, endpoints and
+//! listeners are hooked too; the selection report lists the active hooks.
 #![forbid(unsafe_code)]
 
 pub mod config;
@@ -30,10 +36,14 @@ pub mod dispatch;
 
 pub use config::{discover, SelectionReport, Selector, PROVIDER_NAMES};
 pub use dispatch::{
-    AnyCq, AnyDomain, AnyEndpoint, AnyListener, CqOps, DomainOps, EndpointOps, ListenerOps,
+    AnyCq, AnyDomain, AnyEndpoint, AnyListener, CqOps, DomainOps, EndpointOps, ErasedCq,
+    ErasedDomain, ErasedEndpoint, ErasedListener, ListenerOps,
 };
 pub use fabric_api::spi::EndpointConfig;
 pub use fabric_api::*;
+/// The tracing and fault-injecting wrappers ([`fabric_hook`]).
+pub use fabric_hook as hook;
+pub use fabric_hook::{FaultConfig, FaultStats, HookConfig, Trigger};
 
 /// Everything an application needs in scope.
 pub mod prelude {
