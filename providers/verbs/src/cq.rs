@@ -5,8 +5,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabric_api::spi::CompletionQueue;
@@ -14,33 +13,66 @@ use fabric_api::{Completion, Error, ErrorKind, Result};
 
 use crate::ep::EpCore;
 use crate::ffi::{self, EventFd, HwCq, Wc};
+use crate::sync::{AtomicUsize, Ordering, Rank, Ranked, RankedGuard};
 use crate::Flavor;
 
+/// A device completion queue as the core drains it.
+pub(crate) trait DeviceQueue: Send + Sync {
+    /// Takes up to `out.len()` completions; returns how many.
+    fn poll(&self, out: &mut [Wc]) -> std::io::Result<usize>;
+}
+
+impl DeviceQueue for HwCq {
+    fn poll(&self, out: &mut [Wc]) -> std::io::Result<usize> {
+        HwCq::poll(self, out)
+    }
+}
+
+/// What a drained completion is handed to: the endpoint of its queue pair.
+pub(crate) trait CompletionTarget<Q: DeviceQueue>: Send + Sync + Sized {
+    /// Handles one completion of this target's queue pair. Called with the queue's lock
+    /// held (`st`): takes the target's own lock, which ranks after it.
+    fn on_completion(self: &Arc<Self>, cq: &CqInner<Q, Self>, st: &mut CqState<Self>, wc: &Wc);
+}
+
 /// State behind the queue's lock.
-#[derive(Debug, Default)]
-pub(crate) struct CqState {
+#[derive(Debug)]
+pub(crate) struct CqState<E = EpCore> {
     /// Completions for the application, in order.
     pub ready: VecDeque<Completion>,
     /// Endpoints whose queue pairs report into this queue, by QP number.
-    pub qps: HashMap<u32, Arc<EpCore>>,
+    pub qps: HashMap<u32, Arc<E>>,
+}
+
+impl<E> Default for CqState<E> {
+    fn default() -> Self {
+        CqState {
+            ready: VecDeque::new(),
+            qps: HashMap::new(),
+        }
+    }
 }
 
 /// The shared part of a completion queue.
-pub(crate) struct CqInner {
-    pub hw: HwCq,
+///
+/// Lock order (see [`crate::sync`]): this queue's lock ranks before every endpoint's.
+/// Whatever takes it (polling, waiting, reaping for slots, flushing) must hold no endpoint
+/// lock; draining calls into endpoints, which take their own locks under it.
+pub(crate) struct CqInner<Q = HwCq, E = EpCore> {
+    pub hw: Q,
     pub capacity: usize,
     /// Slots promised to application requests plus completions not yet polled.
     reserved: AtomicUsize,
     /// Slots of the provider's own requests (credit updates, delivery reads, split reads).
     pub internal_cap: usize,
     internal: AtomicUsize,
-    st: Mutex<CqState>,
+    st: Ranked<CqState<E>>,
     /// Wakes waiters when the provider itself queues completions (flushes of requests that
     /// never reached the device).
     wake: EventFd,
 }
 
-impl fmt::Debug for CqInner {
+impl<Q, E> fmt::Debug for CqInner<Q, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CqInner")
             .field("capacity", &self.capacity)
@@ -50,21 +82,22 @@ impl fmt::Debug for CqInner {
     }
 }
 
-impl CqInner {
-    pub fn new(hw: HwCq, capacity: usize, internal_cap: usize) -> Result<Self> {
+impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
+    pub fn new(hw: Q, capacity: usize, internal_cap: usize) -> Result<Self> {
         Ok(CqInner {
             hw,
             capacity,
             reserved: AtomicUsize::new(0),
             internal_cap,
             internal: AtomicUsize::new(0),
-            st: Mutex::new(CqState::default()),
+            st: Ranked::new(Rank::Cq, CqState::default()),
             wake: EventFd::new()?,
         })
     }
 
-    pub fn lock(&self) -> MutexGuard<'_, CqState> {
-        self.st.lock().expect("completion queue poisoned")
+    /// Takes the queue's lock. Never with an endpoint lock held (checked in debug builds).
+    pub fn lock(&self) -> RankedGuard<'_, CqState<E>> {
+        self.st.lock()
     }
 
     fn try_reserve(counter: &AtomicUsize, cap: usize, n: usize) -> bool {
@@ -76,7 +109,8 @@ impl CqInner {
     }
 
     /// Reserves one application slot and `internal` provider slots; reaps the device
-    /// queue once if they are short. Never called with an endpoint lock held.
+    /// queue once if they are short. Takes the queue's lock to reap: never call it with
+    /// an endpoint lock held.
     pub fn reserve(&self, internal: usize) -> Result<()> {
         for attempt in 0..2 {
             if Self::try_reserve(&self.reserved, self.capacity, 1) {
@@ -86,8 +120,7 @@ impl CqInner {
                 self.reserved.fetch_sub(1, Ordering::AcqRel);
             }
             if attempt == 0 {
-                let mut st = self.lock();
-                self.drain(&mut st);
+                self.reap();
             }
         }
         Err(Error::new(
@@ -99,18 +132,41 @@ impl CqInner {
         ))
     }
 
-    /// Reserves `n` provider slots (no application slot), reaping once if short.
-    pub fn reserve_internal(&self, n: usize, reap: bool) -> bool {
-        if Self::try_reserve(&self.internal, self.internal_cap, n) {
+    /// Reserves `n` provider slots (no application slot) if they are free now. Takes no
+    /// lock: callable with an endpoint lock held.
+    pub fn reserve_internal(&self, n: usize) -> bool {
+        Self::try_reserve(&self.internal, self.internal_cap, n)
+    }
+
+    /// Reserves `n` provider slots, reaping the device queue once if they are short.
+    /// Takes the queue's lock to reap: never call it with an endpoint lock held (an
+    /// endpoint that must, drops its lock first: see `EpCore::retry_blocked`).
+    pub fn reserve_internal_reaping(&self, n: usize) -> bool {
+        if self.reserve_internal(n) {
             return true;
         }
-        if reap {
-            let mut st = self.lock();
-            self.drain(&mut st);
-            drop(st);
-            return Self::try_reserve(&self.internal, self.internal_cap, n);
-        }
-        false
+        self.reap();
+        self.reserve_internal(n)
+    }
+
+    /// Moves what the device completed into the ready queue, giving back the slots of
+    /// the provider's own requests among them. Takes the queue's lock, then endpoint
+    /// locks: never call it with an endpoint lock held.
+    pub fn reap(&self) {
+        let mut st = self.lock();
+        self.drain(&mut st);
+    }
+
+    /// Provider slots in use.
+    #[cfg(all(test, loom))]
+    pub fn internal_in_use(&self) -> usize {
+        self.internal.load(Ordering::Acquire)
+    }
+
+    /// Application slots in use.
+    #[cfg(all(test, loom))]
+    pub fn reserved_in_use(&self) -> usize {
+        self.reserved.load(Ordering::Acquire)
     }
 
     /// Gives back application slots.
@@ -132,9 +188,21 @@ impl CqInner {
         self.wake.signal();
     }
 
+    /// Polls: drains the device queue, moves up to `max` ready completions to `out` and
+    /// gives their slots back. Returns how many. Takes the queue's lock.
+    pub fn poll_ready(&self, out: &mut Vec<Completion>, max: usize) -> usize {
+        let mut st = self.lock();
+        self.drain(&mut st);
+        let n = st.ready.len().min(max);
+        out.extend(st.ready.drain(..n));
+        drop(st);
+        self.release(n);
+        n
+    }
+
     /// Moves everything the device completed into the ready queue (routing each
-    /// completion to its endpoint's ledger).
-    pub fn drain(&self, st: &mut CqState) {
+    /// completion to its endpoint's ledger). Called with the queue's lock held (`st`).
+    pub fn drain(&self, st: &mut CqState<E>) {
         let mut wcs = [Wc {
             wr_id: 0,
             status: 0,
@@ -203,14 +271,7 @@ impl<F: Flavor> VerbsCq<F> {
 
 impl<F: Flavor> CompletionQueue for VerbsCq<F> {
     fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
-        let c = &self.inner;
-        let mut st = c.lock();
-        c.drain(&mut st);
-        let n = st.ready.len().min(max);
-        out.extend(st.ready.drain(..n));
-        drop(st);
-        c.release(n);
-        Ok(n)
+        Ok(self.inner.poll_ready(out, max))
     }
 
     fn wait(&self, timeout: Duration) -> Result<bool> {

@@ -12,7 +12,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 // Byte offsets in the iWARP credit area (shared with the tcp provider).
@@ -23,10 +23,11 @@ use fabric_api::{
     ProviderCode, RecvWr, RegionRef, Result, SendFlags, SendOp, SendWr, Slice, Status,
 };
 
-use crate::cq::{CqInner, CqState};
+use crate::cq::{CompletionTarget, CqInner, CqState};
 use crate::domain::DomainInner;
-use crate::ffi::{self, CmId, HwOp, HwWr, Mr, Sge, Wc};
+use crate::ffi::{self, CmId, HwCq, HwOp, HwWr, Mr, Sge, Wc};
 use crate::status::{self, wc};
+use crate::sync::{Rank, Ranked, RankedGuard};
 use crate::{Flavor, Transport};
 
 /// Receive requests carry this bit in their `wr_id`.
@@ -199,7 +200,9 @@ pub(crate) struct EpCore {
     /// A peer not of this framework (no credit area): our own area, the sink of the
     /// zero-length delivery reads.
     sink: Option<(Arc<Buffer>, Mr)>,
-    st: Mutex<Ledger>,
+    /// The ledger. Ranks after completion-queue locks (see [`crate::sync`]): code holding
+    /// it never takes a completion queue's lock.
+    st: Ranked<Ledger>,
 }
 
 impl fmt::Debug for EpCore {
@@ -275,24 +278,27 @@ impl EpCore {
             peer_private: p.peer_private,
             credit: p.credit,
             sink: p.sink,
-            st: Mutex::new(Ledger {
-                status: EndpointState::Connected,
-                torn_down: false,
-                sq: VecDeque::new(),
-                rq: VecDeque::new(),
-                pending: 0,
-                next_seq: 1,
-                user_sq: 0,
-                hw_sq: 0,
-                recvs_posted: 0,
-                sends_hw: 0,
-                credit_dirty: false,
-                blocked: false,
-                closed_locally: false,
-                attributed: false,
-                dead_since: None,
-                graveyard: Vec::new(),
-            }),
+            st: Ranked::new(
+                Rank::Endpoint,
+                Ledger {
+                    status: EndpointState::Connected,
+                    torn_down: false,
+                    sq: VecDeque::new(),
+                    rq: VecDeque::new(),
+                    pending: 0,
+                    next_seq: 1,
+                    user_sq: 0,
+                    hw_sq: 0,
+                    recvs_posted: 0,
+                    sends_hw: 0,
+                    credit_dirty: false,
+                    blocked: false,
+                    closed_locally: false,
+                    attributed: false,
+                    dead_since: None,
+                    graveyard: Vec::new(),
+                },
+            ),
         });
         core.send_cq.lock().qps.insert(qpn, core.clone());
         if !Arc::ptr_eq(&core.send_cq, &core.recv_cq) {
@@ -306,8 +312,8 @@ impl EpCore {
         core
     }
 
-    fn lock(&self) -> MutexGuard<'_, Ledger> {
-        self.st.lock().expect("endpoint ledger poisoned")
+    fn lock(&self) -> RankedGuard<'_, Ledger> {
+        self.st.lock()
     }
 
     fn iwarp(&self) -> bool {
@@ -749,19 +755,34 @@ impl EpCore {
     }
 
     /// Called by the RNR thread: retries held-back work. Returns whether still blocked.
+    ///
+    /// A credit update owed for lack of an internal slot needs the device queue reaped
+    /// (completions of the provider's own requests give their slots back). Reaping takes
+    /// the queue's lock and calls back into the endpoints with completions, this one
+    /// included, so it runs with the ledger's lock released, then the ledger is looked
+    /// at again (lock order: [`crate::sync`]). Reaping under the ledger's lock was a
+    /// self-deadlock: the drain's call into this endpoint waited for the lock its own
+    /// thread held.
     pub fn retry_blocked(self: &Arc<Self>) -> bool {
-        let mut l = self.lock();
-        if l.status != EndpointState::Connected || l.torn_down {
+        for reaped in [false, true] {
+            let mut l = self.lock();
+            if l.status != EndpointState::Connected || l.torn_down {
+                drop(l);
+                return self.flush_stuck();
+            }
+            self.release_pending(&mut l);
+            let short = self.send_credit(&mut l);
+            if !short || reaped {
+                let still = (l.pending > 0 || l.credit_dirty)
+                    && l.status == EndpointState::Connected
+                    && !l.torn_down;
+                l.blocked = still;
+                return still;
+            }
             drop(l);
-            return self.flush_stuck();
+            self.send_cq.reap();
         }
-        self.release_pending(&mut l);
-        self.send_credit(&mut l, true);
-        let still = (l.pending > 0 || l.credit_dirty)
-            && l.status == EndpointState::Connected
-            && !l.torn_down;
-        l.blocked = still;
-        still
+        unreachable!("the second pass returns")
     }
 
     /// How long a dead endpoint waits for the device to flush what it holds.
@@ -845,7 +866,8 @@ impl EpCore {
             }
         }
         self.recv_cq.reserve(0)?;
-        let credit_slot = self.credit.is_some() && self.send_cq.reserve_internal(1, true);
+        // No endpoint lock held here: reaping for the slot may take the queue's lock.
+        let credit_slot = self.credit.is_some() && self.send_cq.reserve_internal_reaping(1);
         let mut l = self.lock();
         let undo = |me: &Self| {
             me.recv_cq.release(1);
@@ -892,19 +914,25 @@ impl EpCore {
         Ok(())
     }
 
-    /// Sends an owed credit update if a slot can be had.
-    fn send_credit(&self, l: &mut Ledger, reap: bool) {
+    /// Sends an owed credit update if an internal slot is free now (never reaps: the
+    /// ledger's lock is held). Returns true when the update is still owed for lack of a
+    /// slot, which reaping the send queue may cure.
+    fn send_credit(&self, l: &mut Ledger) -> bool {
         if !l.credit_dirty
             || self.credit.is_none()
             || l.status != EndpointState::Connected
             || l.torn_down
         {
-            return;
+            return false;
+        }
+        if !self.send_cq.reserve_internal(1) {
+            return true;
         }
         let v = l.recvs_posted;
-        if self.send_cq.reserve_internal(1, reap) && !self.post_credit(l, credit::POSTED, v) {
+        if !self.post_credit(l, credit::POSTED, v) {
             self.send_cq.release_internal(1);
         }
+        false
     }
 
     /// Writes `value` into the peer's credit area at `off` (an internal record, posted
@@ -960,7 +988,7 @@ impl EpCore {
     // ----- completions ------------------------------------------------------------------
 
     /// Handles one device completion of this endpoint's queue pair (CQ lock held).
-    pub fn on_completion(self: &Arc<Self>, cq: &CqInner, cst: &mut CqState, w: &Wc) {
+    fn handle_completion(self: &Arc<Self>, cq: &CqInner, cst: &mut CqState, w: &Wc) {
         let mut l = self.lock();
         let failed = w.status != wc::SUCCESS;
         let mut err = failed.then(|| {
@@ -1084,7 +1112,7 @@ impl EpCore {
         if std::ptr::eq(cq, Arc::as_ptr(&self.send_cq)) {
             if l.status == EndpointState::Connected {
                 self.release_pending(&mut l);
-                self.send_credit(&mut l, false);
+                self.send_credit(&mut l);
             } else {
                 self.flush_unposted(&mut l, cst);
             }
@@ -1268,7 +1296,7 @@ impl EpCore {
         }
         self.note_dead(&mut l);
         let mut marker_seq = None;
-        if was && self.credit.is_some() && self.send_cq.reserve_internal(1, false) {
+        if was && self.credit.is_some() && self.send_cq.reserve_internal(1) {
             let seq = l.next_seq;
             if self.post_credit(&mut l, credit::CLOSED, 1) {
                 marker_seq = Some(seq);
@@ -1336,6 +1364,12 @@ impl EpCore {
                 cq.release(n);
             }
         }
+    }
+}
+
+impl CompletionTarget<HwCq> for EpCore {
+    fn on_completion(self: &Arc<Self>, cq: &CqInner, st: &mut CqState, wc: &Wc) {
+        self.handle_completion(cq, st, wc);
     }
 }
 

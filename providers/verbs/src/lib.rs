@@ -33,6 +33,16 @@
 //! adds for its own purposes reserve from a separate internal budget; the device queue is
 //! sized for both, so it cannot overrun, and a post that would exceed the application's
 //! capacity fails `QueueFull` (after reaping what the device already completed).
+//!
+//! # Lock order
+//! A completion queue's lock, then an endpoint's lock, never the other way round (see the
+//! private `sync` module): draining a device queue runs under the queue's lock and calls
+//! into the endpoints with completions in it. An endpoint that needs provider slots while
+//! holding its lock takes them only if free; reaping for them happens with its lock
+//! released (`EpCore::retry_blocked`). Debug builds check the order on every acquisition
+//! and panic naming both locks; loom models (`src/loom_models.rs`, run with
+//! `CARGO_TARGET_DIR=target/loom RUSTFLAGS="--cfg loom" cargo test -p fabric-verbs --release --lib loom`)
+//! explore the RNR thread's reap against the application's polling and posting.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(unsafe_code)]
 
@@ -45,6 +55,9 @@ mod ep;
 mod ffi;
 pub mod gid;
 pub mod status;
+mod sync;
+#[cfg(all(test, loom))]
+mod loom_models;
 
 use std::collections::BTreeMap;
 use std::fmt;

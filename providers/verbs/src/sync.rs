@@ -1,0 +1,231 @@
+//! The core's locks and the one order they are taken in.
+//!
+//! Two kinds of lock guard the core's state: a completion queue's (its ready queue and the
+//! endpoints reporting into it) and an endpoint's (its ledger). Draining a device queue
+//! runs with the queue's lock held and calls into every endpoint that has completions in
+//! it, which takes that endpoint's lock. So the order is:
+//!
+//! 1. a completion queue's lock ([`Rank::Cq`]), at most one at a time;
+//! 2. an endpoint's lock ([`Rank::Endpoint`]), at most one at a time;
+//!
+//! and never the other way round: code holding an endpoint lock must not take a
+//! completion-queue lock, not even indirectly by reaping the device queue for slots (an
+//! endpoint that needs slots it cannot get drops its lock, reaps, and takes the lock
+//! again; see `EpCore::retry_blocked`). Other locks of the crate (the connection
+//! manager's registry, the RNR thread's list) are leaves: nothing is locked under them.
+//!
+//! [`Ranked`] enforces the order: in debug builds and under loom every acquisition checks
+//! the ranks this thread already holds and panics, naming both locks, before it could
+//! block on a lock taken out of order. Release builds skip the check.
+//!
+//! Under `--cfg loom` the mutexes and atomics are loom's, so the models in `loom_models`
+//! explore every interleaving of the real completion-queue code.
+
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::{AtomicUsize, Ordering};
+#[cfg(loom)]
+use loom::sync::{Mutex, MutexGuard};
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::{AtomicUsize, Ordering};
+#[cfg(not(loom))]
+use std::sync::{Mutex, MutexGuard};
+
+/// A lock's place in the order: a thread may only take a lock of a higher rank than
+/// every lock it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Rank {
+    /// A completion queue's state.
+    Cq = 0,
+    /// An endpoint's ledger.
+    Endpoint = 1,
+}
+
+impl Rank {
+    fn bit(self) -> u8 {
+        1 << self as u8
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Rank::Cq => "a completion-queue",
+            Rank::Endpoint => "an endpoint",
+        }
+    }
+}
+
+#[cfg(any(debug_assertions, loom))]
+mod held {
+    use super::Rank;
+
+    #[cfg(loom)]
+    loom::thread_local! {
+        static HELD: std::cell::Cell<u8> = std::cell::Cell::new(0);
+    }
+    #[cfg(not(loom))]
+    std::thread_local! {
+        static HELD: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
+    }
+    #[cfg(loom)]
+    loom::thread_local! {
+        static UNCHECKED: std::cell::Cell<bool> = std::cell::Cell::new(false);
+    }
+
+    /// Panics if this thread holds a lock of `rank` or a later one; else records `rank`.
+    pub(super) fn acquire(rank: Rank) {
+        #[cfg(loom)]
+        if UNCHECKED.with(|u| u.get()) {
+            return;
+        }
+        HELD.with(|h| {
+            let held = h.get();
+            if let Some(worst) = [Rank::Endpoint, Rank::Cq]
+                .into_iter()
+                .find(|r| *r >= rank && held & r.bit() != 0)
+            {
+                panic!(
+                    "lock order violated: taking {} lock while holding {} lock (the order \
+                     is completion queue, then endpoint, one of each at most)",
+                    rank.name(),
+                    worst.name()
+                );
+            }
+            h.set(held | rank.bit());
+        });
+    }
+
+    pub(super) fn release(rank: Rank) {
+        #[cfg(loom)]
+        if UNCHECKED.with(|u| u.get()) {
+            return;
+        }
+        HELD.with(|h| h.set(h.get() & !rank.bit()));
+    }
+
+    /// Models only: this thread takes locks without the order check (to show what the
+    /// model checker finds without it).
+    #[cfg(loom)]
+    pub(crate) fn unchecked() {
+        UNCHECKED.with(|u| u.set(true));
+    }
+}
+
+#[cfg(all(loom, test))]
+pub(crate) use held::unchecked;
+
+/// A mutex with a rank in the lock order (see the module docs).
+pub(crate) struct Ranked<T> {
+    rank: Rank,
+    m: Mutex<T>,
+}
+
+impl<T: fmt::Debug> fmt::Debug for Ranked<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Ranked")
+            .field("rank", &self.rank)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T> Ranked<T> {
+    /// A lock of `rank` over `value`.
+    pub fn new(rank: Rank, value: T) -> Self {
+        Ranked {
+            rank,
+            m: Mutex::new(value),
+        }
+    }
+
+    /// Takes the lock (checking the order first, in debug builds and models).
+    pub fn lock(&self) -> RankedGuard<'_, T> {
+        #[cfg(any(debug_assertions, loom))]
+        held::acquire(self.rank);
+        let g = match self.m.lock() {
+            Ok(g) => g,
+            Err(_) => {
+                #[cfg(any(debug_assertions, loom))]
+                held::release(self.rank);
+                panic!("{} lock is poisoned", self.rank.name());
+            }
+        };
+        RankedGuard { g, rank: self.rank }
+    }
+}
+
+/// The guard of a [`Ranked`] lock.
+pub(crate) struct RankedGuard<'a, T> {
+    g: MutexGuard<'a, T>,
+    rank: Rank,
+}
+
+impl<T> Drop for RankedGuard<'_, T> {
+    fn drop(&mut self) {
+        #[cfg(any(debug_assertions, loom))]
+        held::release(self.rank);
+        #[cfg(not(any(debug_assertions, loom)))]
+        let _ = self.rank;
+    }
+}
+
+impl<T> Deref for RankedGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.g
+    }
+}
+
+impl<T> DerefMut for RankedGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.g
+    }
+}
+
+impl<T: fmt::Debug> fmt::Debug for RankedGuard<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.g, f)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cq_then_endpoint_is_allowed() {
+        let cq = Ranked::new(Rank::Cq, 1);
+        let ep = Ranked::new(Rank::Endpoint, 2);
+        let a = cq.lock();
+        let b = ep.lock();
+        assert_eq!(*a + *b, 3);
+        drop(b);
+        drop(a);
+        // Released: both again, and the endpoint alone.
+        let _a = cq.lock();
+        drop(_a);
+        let _b = ep.lock();
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(
+        expected = "lock order violated: taking a completion-queue lock while holding an endpoint lock"
+    )]
+    fn endpoint_then_cq_panics_instead_of_deadlocking() {
+        let cq = Ranked::new(Rank::Cq, ());
+        let ep = Ranked::new(Rank::Endpoint, ());
+        let _b = ep.lock();
+        let _a = cq.lock();
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "taking an endpoint lock while holding an endpoint lock")]
+    fn two_endpoint_locks_panic() {
+        let a = Ranked::new(Rank::Endpoint, ());
+        let b = Ranked::new(Rank::Endpoint, ());
+        let _a = a.lock();
+        let _b = b.lock();
+    }
+}
