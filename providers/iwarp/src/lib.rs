@@ -192,6 +192,9 @@ impl Flavor for Iwarp {
             transport_private_data: MPA_PRIVATE_DATA,
             rnr_retry: 7,
             retry: 7,
+            // iWARP has no local ACK timer: TCP's retransmission timeout decides when a
+            // dead peer fails outstanding work (see the fabric-verbs crate docs).
+            ack_timeout: None,
             min_rnr_timer: None,
             infer_terminate: true,
             length_as_malformed_wqe: false,

@@ -328,6 +328,21 @@ impl DomainInner {
         Ok((app, area.map(|a| (a.addr, a.stag))))
     }
 
+    /// Sets the profile's local ACK timeout on a connection identifier (before route
+    /// resolution or accept): the dead-peer bound of the crate docs depends on it, so a
+    /// kernel that refuses it fails the connection rather than silently keeping its own.
+    fn set_ack_timeout(&self, id: &CmId) -> Result<()> {
+        let Some(t) = self.profile.ack_timeout else {
+            return Ok(());
+        };
+        id.set_ack_timeout(t).map_err(|e| {
+            Error::new(
+                ErrorKind::Config,
+                format!("setting the local ACK timeout (4.096 us x 2^{t}) through rdma_cm: {e}"),
+            )
+        })
+    }
+
     fn qp_caps(&self, sq: u32, rq: u32) -> QpCaps {
         let pieces = pieces(&self.dev, &self.profile) as u32;
         let extra = if self.profile.credits {
@@ -789,6 +804,7 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
                 d.dev.name
             )));
         }
+        d.set_ack_timeout(id)?;
         id.resolve_route(left())
             .map_err(|e| unreachable_err(addr, e))?;
         expect(
@@ -1020,6 +1036,7 @@ impl<F: Flavor> VerbsListener<F> {
         let mb = Arc::new(Mailbox::default());
         d.cm.register(id.key(), Target::Mailbox(mb.clone()));
         let hw_sq_cap = self.dom.make_qp(id, cfg)?;
+        d.set_ack_timeout(id)?;
         let credit = self.dom.credit_area()?;
         let private = d.frame(cfg.private_data, credit.as_ref());
         let rd = d.rd_atom();
@@ -1125,6 +1142,7 @@ mod tests {
             transport_private_data: 248,
             rnr_retry: 7,
             retry: 7,
+            ack_timeout: None,
             min_rnr_timer: None,
             infer_terminate: true,
             length_as_malformed_wqe: false,

@@ -944,6 +944,18 @@ impl CmId {
         check(unsafe { sys::rdma_set_option(self.id, 0, 0, (&mut v as *mut u8).cast(), 1) })
     }
 
+    /// Sets the local ACK timeout of the identifier's RC queue pair: 4.096 us x
+    /// 2^`timeout` per transmission before the device retries (InfiniBand transports;
+    /// rdma_cm's `RDMA_OPTION_ID_ACK_TIMEOUT`). Before `rdma_resolve_route` on the active
+    /// side (RoCE then derives the path's packet lifetime from it too), before
+    /// `rdma_accept` on the passive side.
+    pub fn set_ack_timeout(&self, timeout: u8) -> io::Result<()> {
+        let mut v = timeout;
+        // SAFETY: the identifier is live; option RDMA_OPTION_ID (0) /
+        // RDMA_OPTION_ID_ACK_TIMEOUT (3) takes one byte (librdmacm copies it).
+        check(unsafe { sys::rdma_set_option(self.id, 0, 3, (&mut v as *mut u8).cast(), 1) })
+    }
+
     /// Creates the RC queue pair of this identifier; returns the sizes granted.
     pub fn create_qp(
         &mut self,

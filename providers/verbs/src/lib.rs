@@ -43,6 +43,42 @@
 //! and panic naming both locks; loom models (`src/loom_models.rs`, run with
 //! `CARGO_TARGET_DIR=target/loom RUSTFLAGS="--cfg loom" cargo test -p fabric-verbs --release --lib loom`)
 //! explore the RNR thread's reap against the application's polling and posting.
+//!
+//! # Dead peers: how long until `RetryExceeded`
+//! *InfiniBand transports (roce, ib).* Every queue pair gets the local ACK timeout
+//! [`RC_ACK_TIMEOUT`] = 16 (rdma_cm `RDMA_OPTION_ID_ACK_TIMEOUT`, set before route
+//! resolution on the active side and before accept on the passive side; a kernel that
+//! refuses it fails the connection) and the transport retry count [`RC_RETRY_COUNT`] = 6
+//! (rdma_cm's `retry_count`, the queue pair's `retry_cnt`). A request to a peer that no
+//! longer answers (host down, link cut; a killed process's queue pair is gone and soft-RoCE
+//! drops packets for it) is sent once and retransmitted `retry_cnt` times, each try
+//! waiting for the ACK timeout, then completes `IBV_WC_RETRY_EXC_ERR`, reported
+//! `RetryExceeded`; everything behind it flushes. The bound ([`DEAD_PEER_BOUND`]):
+//!
+//! ```text
+//! 4.096 us x 2^timeout x (retry_cnt + 1) = 4.096 us x 65536 x 7 = 268.4 ms x 7 = 1.879 s
+//! ```
+//!
+//! nominally: InfiniBand lets a device's timer run longer than the nominal value (up to
+//! four times per try), and soft-RoCE rounds it up to whole jiffies.
+//! Why 6 and not 7 retries: soft-RoCE treats `retry_cnt` 7 as "retry forever"
+//! (`rxe_comp.c` in Linux 6.1: `if (qp->comp.retry_cnt != 7) qp->comp.retry_cnt--;`), so
+//! 7 would never fail there. The receiver-not-ready retry count stays 7 (retry forever,
+//! the contract's "a send with no posted receive waits"): it counts RNR NAKs, which only
+//! a live peer sends. Without the explicit timeout Linux 6.1's rdma_cm would give a RoCE
+//! queue pair timeout 19 (`CMA_IBOE_PACKET_LIFETIME` 18, plus one): 2.15 s per try.
+//!
+//! *iWARP (siw).* An iWARP queue pair has no ACK timer: it runs over a kernel TCP socket,
+//! and siw (`siw_cm.c`) sets only `TCP_NODELAY` and `SO_REUSEADDR` on it: no keepalive,
+//! no `TCP_USER_TIMEOUT`. A silent peer is noticed only by TCP's retransmission timeout
+//! while data is unacknowledged: `net.ipv4.tcp_retries2` (default 15) retransmissions
+//! with the RTO doubling from 200 ms up to `TCP_RTO_MAX` (120 s), some 924.6 s (15.4
+//! minutes); then the socket fails, siw closes the connection and flushes the queue pair.
+//! Sends and writes complete on siw when transmitted, so only requests waiting for the
+//! peer (reads, and this core's delivery reads behind sends and writes) are held that long;
+//! with nothing unacknowledged no error comes at all. The bound there is the host's TCP
+//! setting, not this crate's, and the flush is reported as the device tells it (see
+//! `Profile::infer_terminate`), not as `RetryExceeded`.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(unsafe_code)]
 
@@ -54,10 +90,10 @@ mod ep;
 #[allow(unsafe_code)]
 mod ffi;
 pub mod gid;
-pub mod status;
-mod sync;
 #[cfg(all(test, loom))]
 mod loom_models;
+pub mod status;
+mod sync;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -138,8 +174,14 @@ pub struct Profile {
     pub transport_private_data: u32,
     /// RNR retry count for rdma_cm (7: retry forever; the contract's "sender waits").
     pub rnr_retry: u8,
-    /// Transport retry count for rdma_cm.
+    /// Transport retry count for rdma_cm (`retry_cnt`: retransmissions after the first
+    /// try; at most 7).
     pub retry: u8,
+    /// Local ACK timeout exponent set on every queue pair (InfiniBand transports): a try
+    /// waits 4.096 us x 2^`ack_timeout`. With `retry` it bounds how long an operation to
+    /// a dead peer takes to fail `RetryExceeded` (see the crate docs). `None`: the
+    /// transport has no such timer (iWARP: TCP's retransmission timeout governs).
+    pub ack_timeout: Option<u8>,
     /// RNR NAK timer this side advertises (IB encoding; 12 = 0.64 ms), if settable.
     pub min_rnr_timer: Option<u8>,
     /// The device reports a receive too short for its message as a malformed WQE
@@ -167,6 +209,21 @@ pub struct Profile {
     /// What the core emulates on this transport.
     pub emulated: Vec<Emulation>,
 }
+
+/// Local ACK timeout exponent of the InfiniBand transports: 4.096 us x 2^16 = 268.4 ms
+/// per try. Long enough for congested fabrics and for soft-RoCE under emulation; short
+/// enough that a dead peer is noticed in seconds (see [`DEAD_PEER_BOUND`]).
+pub const RC_ACK_TIMEOUT: u8 = 16;
+
+/// Transport retries of the InfiniBand transports (`retry_cnt`): 6, the most that is
+/// finite everywhere (soft-RoCE retries forever at 7; see the crate docs).
+pub const RC_RETRY_COUNT: u8 = 6;
+
+/// How long an operation outstanding to a dead peer takes at most to complete
+/// `RetryExceeded` on the InfiniBand transports, nominally: 4.096 us x 2^[`RC_ACK_TIMEOUT`]
+/// x ([`RC_RETRY_COUNT`] + 1) = 268.4 ms x 7 = 1.879 s (see the crate docs).
+pub const DEAD_PEER_BOUND: std::time::Duration =
+    std::time::Duration::from_nanos(4096 * (1 << RC_ACK_TIMEOUT) * (RC_RETRY_COUNT as u64 + 1));
 
 /// The vendor id soft-RoCE (rxe) reports.
 pub const SOFT_ROCE_VENDOR_ID: u32 = 0x00ff_ffff;
@@ -198,7 +255,8 @@ impl Profile {
             sink_remote_write: false,
             transport_private_data: IB_CM_PRIVATE_DATA,
             rnr_retry: 7,
-            retry: 7,
+            retry: RC_RETRY_COUNT,
+            ack_timeout: Some(RC_ACK_TIMEOUT),
             min_rnr_timer: Some(12),
             infer_terminate: false,
             length_as_malformed_wqe: dev.vendor_id == SOFT_ROCE_VENDOR_ID,
@@ -206,5 +264,38 @@ impl Profile {
             unsupported,
             emulated: Vec::new(),
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dead_peer_bound_is_the_documented_arithmetic() {
+        // 4.096 us x 2^16 x (6 + 1)
+        assert_eq!(DEAD_PEER_BOUND.as_nanos(), 4096 * 65536 * 7);
+        assert_eq!(DEAD_PEER_BOUND.as_millis(), 1879);
+        let dev = DeviceFacts {
+            name: "rxe0".into(),
+            transport: Transport::InfiniBand,
+            node_guid: 0,
+            fw_ver: String::new(),
+            vendor_id: SOFT_ROCE_VENDOR_ID,
+            max_mr_size: u64::MAX,
+            max_qp_wr: 1024,
+            max_sge: 32,
+            max_sge_rd: 32,
+            max_cqe: 1024,
+            max_qp_rd_atom: 128,
+            max_qp_init_rd_atom: 128,
+            atomic_cap: 1,
+            max_inline: 64,
+            ports: Vec::new(),
+        };
+        let p = Profile::ib_transport(&dev);
+        assert_eq!((p.ack_timeout, p.retry), (Some(16), 6));
+        // rxe retries forever at retry_cnt 7: the bound needs less.
+        assert!(p.retry < 7);
     }
 }
