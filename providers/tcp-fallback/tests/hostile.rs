@@ -634,12 +634,14 @@ fn header(key: &[u8; 16], bits: u16, pd_len: u16) -> Vec<u8> {
 fn mpa_bad_key_is_refused() {
     let srv = server();
     let before = healthy(&srv);
+    let c = canaries(&srv.domain, 4096, ALL_ACCESS);
     let mut req = mpa_request(RawOpts::default());
     req[..16].copy_from_slice(mpa::KEY_REP); // a Reply's key in a request
     refused_handshake(&srv, &req, "request with the Reply key");
     let mut req = mpa_request(RawOpts::default());
     req[..16].copy_from_slice(b"GET / HTTP/1.1\r\n");
     refused_handshake(&srv, &req, "request with a foreign key");
+    c.check(0..0);
     still_serving(&srv, &before);
 }
 
@@ -647,6 +649,7 @@ fn mpa_bad_key_is_refused() {
 fn mpa_bad_revision_is_refused() {
     let srv = server();
     let before = healthy(&srv);
+    let c = canaries(&srv.domain, 4096, ALL_ACCESS);
     // Revision 0 does not exist.
     let mut req = mpa_request(RawOpts::default());
     req[17] = 0;
@@ -657,6 +660,7 @@ fn mpa_bad_revision_is_refused() {
     if let Refusal::Rejected(why) = refused_handshake(&srv, &req, "revision 2 without IRD/ORD") {
         assert!(why.contains("IRD"), "the reject names no reason: {why:?}");
     }
+    c.check(0..0);
     still_serving(&srv, &before);
 }
 
@@ -664,6 +668,7 @@ fn mpa_bad_revision_is_refused() {
 fn mpa_oversized_private_data_is_refused() {
     let srv = server();
     let before = healthy(&srv);
+    let c = canaries(&srv.domain, 4096, ALL_ACCESS);
     // 65535 bytes announced (and sent): far beyond MPA's 256-byte private data.
     let mut req = header(mpa::KEY_REQ, 0x1002, u16::MAX);
     req.extend_from_slice(&[0x42; u16::MAX as usize]);
@@ -673,6 +678,7 @@ fn mpa_oversized_private_data_is_refused() {
     req.extend_from_slice(&[0, 8, 0, 8]);
     req.extend_from_slice(&[0x42; 253]);
     refused_handshake(&srv, &req, "257 bytes of private data");
+    c.check(0..0);
     still_serving(&srv, &before);
 }
 
@@ -689,6 +695,7 @@ fn still_open(s: &TcpStream) -> bool {
 fn unfinished_handshakes_do_not_stall_the_listener() {
     let srv = server();
     let addr = srv.addr();
+    let c = canaries(&srv.domain, 4096, ALL_ACCESS);
     let o = RawOpts::default();
     let req = mpa_request(o);
     // Connects and says nothing.
@@ -729,6 +736,7 @@ fn unfinished_handshakes_do_not_stall_the_listener() {
             Err(e) => panic!("the {name} client's half-open connection was never closed: {e}"),
         }
     }
+    c.check(0..0);
     healthy(&srv).exercise(2);
 }
 
@@ -737,6 +745,7 @@ fn connection_flood_does_not_lock_out_a_good_client() {
     let srv = server();
     let addr = srv.addr();
     let before = healthy(&srv);
+    let c = canaries(&srv.domain, 4096, ALL_ACCESS);
     let flood = |n: usize| -> Vec<TcpStream> {
         (0..n)
             .filter_map(|_| tcp_connect(addr, RawOpts::default()).ok())
@@ -766,6 +775,7 @@ fn connection_flood_does_not_lock_out_a_good_client() {
         std::thread::sleep(Duration::from_millis(50));
     };
     late.exercise(2);
+    c.check(0..0);
     before.exercise(3);
     drop(held);
 }
