@@ -23,6 +23,7 @@
 
 mod conn;
 mod cq;
+pub mod engine;
 mod keys;
 pub mod listen;
 mod setup;
@@ -42,6 +43,7 @@ use fabric_api::{
 };
 
 pub use cq::TcpCq;
+pub use engine::ProgressMode;
 
 /// Provider name.
 pub const NAME: &str = "tcp";
@@ -73,6 +75,9 @@ pub struct TcpOptions {
     /// (idle for a third of this, then 5 probes spread over the rest) and
     /// `TCP_USER_TIMEOUT` bounds unacknowledged output by the same figure.
     pub dead_peer_timeout: Duration,
+    /// Who makes progress: a progress thread per domain plus the application (`Auto`), or
+    /// the application's polls alone (`Manual`). See [`engine`].
+    pub progress: ProgressMode,
 }
 
 /// Keepalive probes sent before a silent peer is declared dead.
@@ -85,6 +90,7 @@ impl Default for TcpOptions {
             extensions: true,
             max_segment: 65_472,
             dead_peer_timeout: Duration::from_secs(10),
+            progress: ProgressMode::Auto,
         }
     }
 }
@@ -147,6 +153,8 @@ struct DomainShared {
     keys: Arc<keys::KeyTable>,
     opts: TcpOptions,
     info: ProviderInfo,
+    /// The poll set and progress thread of every endpoint of this domain.
+    engine: Arc<engine::Engine>,
 }
 
 /// A tcp domain: a key (STag) table and the options its endpoints use.
@@ -177,6 +185,7 @@ impl TcpDomain {
             shared: Arc::new(DomainShared {
                 id: fabric_api::region::next_domain_id(),
                 keys: Arc::default(),
+                engine: Arc::new(engine::Engine::new(opts.progress)?),
                 opts,
                 info: info(),
             }),
@@ -210,6 +219,7 @@ impl TcpDomain {
             cfg.recv_cq.clone(),
             cfg.sq_depth as usize,
             cfg.rq_depth as usize,
+            self.shared.engine.clone(),
         )?;
         conn.start()?;
         Ok(TcpEndpoint { conn })
