@@ -3,6 +3,7 @@
 
 mod demo;
 mod info;
+mod reliability;
 mod rping;
 
 use std::path::{Path, PathBuf};
@@ -61,6 +62,15 @@ enum Cmd {
         #[arg(long, value_delimiter = ',')]
         require_device: Vec<String>,
     },
+    /// RELIABILITY.md from saved JSON conformance reports: the fault and reliability cases,
+    /// scenario x provider, with outcomes, times, bounds and what each case observed.
+    Reliability {
+        /// JSON reports (`fabric conformance --format json > FILE`), host and guest.
+        files: Vec<PathBuf>,
+        /// Write the document here instead of stdout.
+        #[arg(long, short)]
+        output: Option<PathBuf>,
+    },
     /// The peer process of multi-process conformance cases (internal).
     #[command(hide = true)]
     Peer {
@@ -101,6 +111,7 @@ fn main() -> ExitCode {
             format,
             require_device,
         } => report(&file, format, &require_device),
+        Cmd::Reliability { files, output } => reliability::run(&files, output.as_deref()),
         Cmd::Peer { args } => return ExitCode::from(fabric_conformance::peer::main(&args) as u8),
     };
     match result {

@@ -109,6 +109,17 @@ fn open_domain(name: &str) -> Result<AnyDomain, String> {
         .map_err(|e| format!("opening a {name} domain: {e}"))
 }
 
+thread_local! {
+    static NOTE: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Records what a passing case observed (timings, counts, the bound it was held to): it
+/// becomes the case's `detail` in the report when the case passes. Cases that measure
+/// (the fault cases) call it so that reports carry the observation, not only the verdict.
+pub fn note(text: impl Into<String>) {
+    NOTE.with(|n| *n.borrow_mut() = Some(text.into()));
+}
+
 /// Per-case time limit.
 pub const CASE_LIMIT: Duration = Duration::from_secs(90);
 
@@ -575,6 +586,7 @@ pub fn run_case(ctx: &Ctx, case: &Case) -> CaseResult {
             }),
             Availability::Available => None,
         });
+    let mut note = None;
     let outcome = if let Some(reason) = unavailable {
         Outcome::NoDevice(reason)
     } else {
@@ -595,12 +607,16 @@ pub fn run_case(ctx: &Ctx, case: &Case) -> CaseResult {
                         },
                     }
                 }));
-                let _ = tx.send(r);
+                let note = NOTE.with(|n| n.borrow_mut().take());
+                let _ = tx.send((r, note));
             })
             .expect("spawn case thread");
         match rx.recv_timeout(CASE_LIMIT) {
-            Ok(Ok(outcome)) => outcome,
-            Ok(Err(panic)) => Outcome::Fail(format!(
+            Ok((Ok(outcome), n)) => {
+                note = n;
+                outcome
+            }
+            Ok((Err(panic), _)) => Outcome::Fail(format!(
                 "panicked: {}",
                 panic
                     .downcast_ref::<String>()
@@ -612,7 +628,7 @@ pub fn run_case(ctx: &Ctx, case: &Case) -> CaseResult {
         }
     };
     let detail = match &outcome {
-        Outcome::Pass => String::new(),
+        Outcome::Pass => note.unwrap_or_default(),
         Outcome::Fail(m) | Outcome::Unsupported(m) | Outcome::NoDevice(m) => m.clone(),
     };
     CaseResult {

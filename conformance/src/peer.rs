@@ -6,7 +6,14 @@
 //! remote descriptor as the first message, then either
 //! * `--mode echo`: answers every message `echo:<bytes>` with `<bytes>`, exits on `quit`;
 //! * `--mode idle`: never touches its completion queue again (one-sided operations must
-//!   complete without it) and exits when its stdin closes.
+//!   complete without it) and exits when its stdin closes;
+//! * `--mode writer`: receives a remote descriptor (the first message), then keeps
+//!   [`WRITER_DEPTH`] RDMA Writes of [`WRITER_CHUNK`] bytes of its region (`pattern`) in
+//!   flight into it, chunk after chunk, until one fails; it reports on stdout `WRITING`
+//!   after the first write completed, `ERROR <kind> after <n> writes` at the first failure
+//!   (`<kind>` as [`ErrorKind::as_str`]), then `DONE flushed <f> other <o>` once the writes
+//!   still outstanding completed, and exits when its stdin closes
+//!   ([`PeerProcess::line`] reads these lines).
 //!
 //! `--recv N` sets how many receives it keeps posted (0: none, so sends to it wait).
 
@@ -20,6 +27,12 @@ use fabric::prelude::*;
 use fabric::Selector;
 
 use crate::harness::{next, region, Ctx};
+
+/// Bytes per RDMA Write of `--mode writer`.
+pub const WRITER_CHUNK: usize = 64 << 10;
+
+/// RDMA Writes `--mode writer` keeps in flight.
+pub const WRITER_DEPTH: usize = 8;
 
 /// Size of the peer's exposed region.
 pub const PEER_REGION: usize = 1 << 20;
@@ -43,6 +56,7 @@ pub struct PeerProcess {
     pub desc: RemoteDesc,
     /// Process id of the peer.
     pub pid: u32,
+    lines: mpsc::Receiver<String>,
 }
 
 impl PeerProcess {
@@ -105,6 +119,7 @@ impl PeerProcess {
                 ep,
                 desc,
                 pid,
+                lines: rx,
             }),
             Err(e) => {
                 let _ = child.kill();
@@ -135,6 +150,17 @@ impl PeerProcess {
         }
     }
 
+    /// The next line the peer printed on its stdout after `LISTEN` (`--mode writer`
+    /// reports there), waiting at most `timeout`.
+    pub fn line(&self, timeout: Duration) -> Result<String, String> {
+        self.lines.recv_timeout(timeout).map_err(|e| match e {
+            mpsc::RecvTimeoutError::Timeout => {
+                format!("the peer printed nothing within {timeout:?}")
+            }
+            mpsc::RecvTimeoutError::Disconnected => "the peer closed its stdout".to_string(),
+        })
+    }
+
     /// Closes the peer's stdin (an idle peer exits).
     pub fn close_stdin(&mut self) {
         drop(self.child.stdin.take());
@@ -155,7 +181,8 @@ fn arg<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
         .map(String::as_str)
 }
 
-/// The peer process: `fabric peer --provider P [--bind ADDR] [--mode echo|idle] [--recv N]`.
+/// The peer process: `fabric peer --provider P [--bind ADDR] [--mode echo|idle|writer]
+/// [--recv N]`.
 /// Returns the exit code.
 pub fn main(args: &[String]) -> i32 {
     match serve(args) {
@@ -175,8 +202,8 @@ fn serve(args: &[String]) -> Result<(), String> {
         .unwrap_or("16")
         .parse()
         .map_err(|e| format!("--recv: {e}"))?;
-    if !matches!(mode, "echo" | "idle") {
-        return Err(format!("unknown --mode {mode:?} (echo, idle)"));
+    if !matches!(mode, "echo" | "idle" | "writer") {
+        return Err(format!("unknown --mode {mode:?} (echo, idle, writer)"));
     }
     let (domain, _) = Selector::new()
         .providers(provider)
@@ -211,7 +238,10 @@ fn serve(args: &[String]) -> Result<(), String> {
     desc.buffer().write(0, &exposed.desc().to_bytes());
     ep.post_send(&SendWr::send(u64::MAX, &[desc.all()]))
         .map_err(|e| e.to_string())?;
-    if mode == "idle" {
+    if mode == "writer" {
+        write_until_error(&ep, &cq, &exposed, &msgs, recvs)?;
+    }
+    if mode == "idle" || mode == "writer" {
         let mut sink = Vec::new();
         let _ = std::io::stdin().read_to_end(&mut sink);
         return Ok(());
@@ -246,4 +276,82 @@ fn serve(args: &[String]) -> Result<(), String> {
         ))
         .map_err(|e| e.to_string())?;
     }
+}
+
+/// `--mode writer`: takes the target's descriptor from the first message, then writes into
+/// it until a write fails, reporting on stdout (see the module docs).
+fn write_until_error(
+    ep: &AnyEndpoint,
+    cq: &AnyCq,
+    exposed: &MemoryRegion,
+    msgs: &MemoryRegion,
+    recvs: usize,
+) -> Result<(), String> {
+    if recvs == 0 {
+        return Err(
+            "--mode writer needs --recv 1 or more (the descriptor arrives as a message)".into(),
+        );
+    }
+    let target = loop {
+        let c = next(cq, Duration::from_secs(60))?;
+        if c.context == u64::MAX {
+            continue; // our own descriptor's send
+        }
+        if !c.is_ok() {
+            return Err(format!("receiving the target's descriptor: {c:?}"));
+        }
+        let i = c.context as usize;
+        break RemoteDesc::from_bytes(&msgs.buffer().to_vec(i * 4096, c.byte_len as usize))
+            .map_err(|e| format!("the target's descriptor: {e}"))?;
+    };
+    let chunks = (target.len as usize / WRITER_CHUNK).max(1);
+    let len = WRITER_CHUNK.min(target.len as usize);
+    const BASE: u64 = 1 << 32;
+    let src = [exposed.slice(0..len).map_err(|e| e.to_string())?];
+    let post = |n: u64| {
+        let at = target.at(((n as usize % chunks) * WRITER_CHUNK) as u64);
+        ep.post_send(&SendWr::write(BASE + n, &src, at))
+    };
+    let (mut posted, mut ok) = (0u64, 0u64);
+    while posted < WRITER_DEPTH as u64 {
+        post(posted).map_err(|e| format!("post write {posted}: {e}"))?;
+        posted += 1;
+    }
+    let kind = loop {
+        let c = next(cq, Duration::from_secs(60))?;
+        if c.context < BASE {
+            continue; // a receive of ours, flushed once the connection fails
+        }
+        match c.status {
+            Status::Success => {
+                ok += 1;
+                if ok == 1 {
+                    println!("WRITING");
+                }
+                match post(posted) {
+                    Ok(()) => posted += 1,
+                    // The connection failed after this completion: the failure is in the
+                    // queue or the post says why.
+                    Err(e) if e.kind() == ErrorKind::InvalidState => {}
+                    Err(e) => return Err(format!("post write {posted}: {e}")),
+                }
+            }
+            Status::Error(kind) => break kind,
+        }
+    };
+    println!("ERROR {} after {ok} writes", kind.as_str());
+    let (mut flushed, mut other) = (0u64, 0u64);
+    let outstanding = posted - ok - 1;
+    while flushed + other < outstanding {
+        let c = next(cq, Duration::from_secs(10))?;
+        if c.context < BASE {
+            continue;
+        }
+        match c.status {
+            Status::Error(ErrorKind::Flushed) => flushed += 1,
+            _ => other += 1,
+        }
+    }
+    println!("DONE flushed {flushed} other {other}");
+    Ok(())
 }

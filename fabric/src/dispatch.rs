@@ -3,6 +3,10 @@
 //! The traits here mirror [`fabric_api::spi`] with the provider types erased into enums.
 //! They are implemented once, generically, for every type implementing the provider traits;
 //! a provider joins by adding its variants to the four enums and one [`ProviderTypes`] line.
+//!
+//! Each enum also has a `Hooked` variant: the generic wrappers of [`fabric_hook`] over the
+//! erased provider ([`ErasedDomain`] and friends implement the provider traits by
+//! forwarding to the enums), so hooks work over every provider without a variant per pair.
 
 use std::net::SocketAddr;
 use std::sync::Arc;

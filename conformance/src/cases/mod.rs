@@ -7,6 +7,7 @@ mod backlog;
 mod bad;
 mod conn;
 mod cq;
+mod fault;
 mod mr;
 mod msg;
 mod rma;
@@ -30,5 +31,6 @@ pub fn all_cases() -> Vec<Case> {
     v.extend(backlog::cases());
     v.extend(conn::cases());
     v.extend(bad::cases());
+    v.extend(fault::cases());
     v
 }

@@ -106,7 +106,7 @@ mod held {
 
     /// Models only: this thread takes locks without the order check (to show what the
     /// model checker finds without it).
-    #[cfg(loom)]
+    #[cfg(all(loom, test))]
     pub(crate) fn unchecked() {
         UNCHECKED.with(|u| u.set(true));
     }
