@@ -208,7 +208,11 @@ impl Drop for Engine {
         self.stop.store(true, Ordering::Release);
         self.set.wake();
         if let Some(t) = self.thread.lock().expect("engine poisoned").take() {
-            let _ = t.join();
+            // The last endpoint can be dropped by the progress thread itself (it held the
+            // last reference while making progress): it then exits on its own.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
         }
     }
 }

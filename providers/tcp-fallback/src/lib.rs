@@ -448,6 +448,7 @@ impl spi::Endpoint for TcpEndpoint {
 impl Drop for TcpEndpoint {
     fn drop(&mut self) {
         self.conn.close();
+        self.conn.unwatch();
     }
 }
 

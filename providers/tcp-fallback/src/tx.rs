@@ -278,6 +278,37 @@ impl TxQueue {
         self.inbound = 0;
     }
 
+    /// Keeps only what the stream needs to end on an FPDU boundary (a graceful close): the
+    /// unwritten rest of an FPDU or encoded message already begun; everything else is
+    /// dropped (its operations are flushed by the caller).
+    pub fn cut_to_boundary(&mut self) {
+        let rest = match self.queue.front() {
+            // A tail at the front is the rest of a message the posting thread began
+            // writing itself: it always finishes.
+            Some(Queued::Tail(bytes, _, _)) => Some(bytes[self.tail_done..].to_vec()),
+            Some(Queued::Msg(m)) => match &self.current {
+                Some((f, written)) if *written > 0 => {
+                    let mut all = f.head.clone();
+                    match &f.staged {
+                        Some(v) => all.extend_from_slice(v),
+                        None => m
+                            .payload
+                            .pieces(f.off, f.seg, &mut |s| all.extend_from_slice(s)),
+                    }
+                    all.extend_from_slice(&f.trailer[..f.trailer_len]);
+                    Some(all[*written..].to_vec())
+                }
+                _ => None,
+            },
+            _ => None,
+        };
+        self.clear();
+        if let Some(rest) = rest {
+            self.queue.push_back(Queued::Tail(rest, None, false));
+            self.started = true;
+        }
+    }
+
     /// Writes as much as the socket takes without blocking.
     pub fn flush(&mut self, sock: &TcpStream, max_seg: usize, crc: bool) -> Flushed {
         let mut done = Flushed::default();
@@ -368,13 +399,14 @@ fn write_fpdu(
     match &m.payload {
         Payload::Inline(v) => pieces.push(IoPiece::Bytes(&v[fpdu.off..fpdu.off + fpdu.seg])),
         Payload::Memory(parts) if !crc && parts.len() < fabric_api::mem::MAX_IO_PIECES - 2 => {
-            m.payload.for_each_range(fpdu.off, fpdu.seg, &mut |buffer, offset, len| {
-                pieces.push(IoPiece::Buffer {
-                    buffer,
-                    offset,
-                    len,
-                })
-            });
+            m.payload
+                .for_each_range(fpdu.off, fpdu.seg, &mut |buffer, offset, len| {
+                    pieces.push(IoPiece::Buffer {
+                        buffer,
+                        offset,
+                        len,
+                    })
+                });
         }
         Payload::Memory(_) => {
             let (off, seg) = (fpdu.off, fpdu.seg);

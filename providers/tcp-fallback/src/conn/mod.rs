@@ -29,8 +29,8 @@ use fabric_api::{
 };
 
 use crate::cq::TcpCq;
-use crate::keys::{random_u32, KeyTable};
 use crate::engine::Engine;
+use crate::keys::{random_u32, KeyTable};
 use crate::tx::{Kind, OutMsg, Payload, Queued, TxQueue};
 use crate::wire::ddp::{
     self, atomic_op, opcode, qn, term, AtomicRequest, AtomicResponse, ReadRequest, Terminate,
@@ -203,6 +203,8 @@ pub(crate) struct Conn {
     rx_pending: AtomicBool,
     /// The receive machine stopped reading until a receive is posted or room frees up.
     rx_blocked: AtomicBool,
+    /// The application closed the endpoint (not a failure): see [`Conn::shutdown`].
+    graceful: AtomicBool,
     /// This connection's token in the poll sets.
     token: Token,
     /// The domain's engine (its poll set and progress thread).
@@ -257,6 +259,7 @@ impl Conn {
             rx: Mutex::new(Rx::new(crc)),
             rx_pending: AtomicBool::new(false),
             rx_blocked: AtomicBool::new(false),
+            graceful: AtomicBool::new(false),
             token: crate::engine::next_token(),
             engine,
         }))
@@ -274,8 +277,8 @@ impl Conn {
         Ok(())
     }
 
-    /// Takes the socket out of every poll set.
-    fn unwatch(&self) {
+    /// Takes the socket out of every poll set (the endpoint is being dropped).
+    pub fn unwatch(&self) {
         self.engine.set.remove(self.token, &self.sock);
         self.send_cq.set().remove(self.token, &self.sock);
         self.recv_cq.set().remove(self.token, &self.sock);
@@ -313,7 +316,7 @@ impl Conn {
         drop(tx);
         if let Some(e) = &done.error {
             tracing::debug!(peer = %self.peer, "transmit failed: {e}");
-            let _ = self.sock.shutdown(Shutdown::Both);
+            self.shutdown();
         }
         if !done.sent.is_empty() {
             let mut st = self.lock();
@@ -324,13 +327,27 @@ impl Conn {
         self.maybe_shutdown();
     }
 
+    /// Ends the stream. After a graceful local close only the write side shuts (the peer
+    /// sees the stream end on an FPDU boundary, and what it still sends is drained: Linux
+    /// answers data on a socket shut for reading with a reset, which can destroy output
+    /// the peer has not read yet). After a failure both sides shut: a peer that goes on
+    /// sending gets a reset.
+    fn shutdown(&self) {
+        let how = if self.graceful.load(AtomicOrdering::SeqCst) {
+            Shutdown::Write
+        } else {
+            Shutdown::Both
+        };
+        let _ = self.sock.shutdown(how);
+    }
+
     /// Once the connection is over and its last output (a Terminate) is out, the socket
     /// shuts down.
     fn maybe_shutdown(&self) {
         let tx = self.tx.lock().expect("tx poisoned");
         if tx.closed && tx.is_idle() {
             drop(tx);
-            let _ = self.sock.shutdown(Shutdown::Both);
+            self.shutdown();
         }
     }
 
@@ -772,7 +789,7 @@ impl Conn {
                     0
                 }
                 Err(e) => {
-                    tracing::debug!("send failed: {e}");
+                    tracing::debug!(peer = %self.peer, "send failed: {e}");
                     0 // the receive side sees the broken stream and fails the endpoint
                 }
             };
@@ -799,7 +816,7 @@ impl Conn {
         drop(tx);
         if let Some(e) = &done.error {
             tracing::debug!(peer = %self.peer, "transmit failed: {e}");
-            let _ = self.sock.shutdown(Shutdown::Both);
+            self.shutdown();
         }
         for seq in done.sent {
             self.mark_sent(st, seq);
@@ -857,7 +874,7 @@ impl Conn {
         if flush {
             self.flush_tx();
         } else {
-            let _ = self.sock.shutdown(Shutdown::Both);
+            self.shutdown();
         }
     }
 
@@ -958,43 +975,50 @@ impl Conn {
     /// and a failure, and the mark is how it tells them apart.
     pub fn close(&self) {
         let mut st = self.lock();
+        if st.status == EndpointState::Connected {
+            self.graceful.store(true, AtomicOrdering::SeqCst);
+        }
         let mark = (st.status == EndpointState::Connected)
             .then_some(self.neg.peer_area)
             .flatten();
         self.enter_error(&mut st, None, EndpointState::Disconnected);
-        let Some(area) = mark else {
-            drop(st);
-            self.close_tx(false);
-            self.unwatch();
-            return;
-        };
-        self.transmit(
-            &mut st,
-            OutMsg::control(
-                Kind::Tagged {
-                    opcode: opcode::WRITE,
-                    stag: area.stag,
-                    to: area.addr + pdata::area::CLOSED as u64,
-                },
-                1u64.to_ne_bytes().to_vec(),
-            ),
-        );
+        // Nothing more is sent but the rest of an FPDU already begun: the peer sees the
+        // stream end on a boundary (a cut FPDU is an error there, not a close).
+        {
+            let mut tx = self.tx.lock().expect("tx poisoned");
+            if !tx.closed {
+                tx.cut_to_boundary();
+            }
+        }
+        if let Some(area) = mark {
+            self.transmit(
+                &mut st,
+                OutMsg::control(
+                    Kind::Tagged {
+                        opcode: opcode::WRITE,
+                        stag: area.stag,
+                        to: area.addr + pdata::area::CLOSED as u64,
+                    },
+                    1u64.to_ne_bytes().to_vec(),
+                ),
+            );
+        }
         drop(st);
         self.close_tx(true);
         // Bounded: a peer that stops reading must not hold up the close.
         let deadline = Instant::now() + CLOSE_MARK_WAIT;
         while !self.tx.lock().expect("tx poisoned").is_idle() {
             if Instant::now() >= deadline {
-                tracing::debug!(peer = %self.peer, "close mark not written within {CLOSE_MARK_WAIT:?}");
+                tracing::debug!(peer = %self.peer, "last output not written within {CLOSE_MARK_WAIT:?}");
                 break;
             }
             std::thread::sleep(Duration::from_millis(1));
             self.flush_tx();
         }
-        let _ = self.sock.shutdown(Shutdown::Both);
-        self.unwatch();
+        // The stream ends on an FPDU boundary; what the peer still sends is drained and
+        // dropped by the receive machine (see `maybe_shutdown`) while this endpoint lives.
+        self.shutdown();
     }
-
 
     /// Credits a response to the oldest request waiting for one of its kind. Each kind
     /// arrives in request order (writes are placed in order, receives are matched in order,
@@ -1083,7 +1107,6 @@ enum Unit {
     ReadDone(u32),
     Atomic(AtomicResponse),
 }
-
 
 fn scatter(sges: &Sges, mut at: usize, mut data: &[u8]) {
     for (b, off, len) in sges {

@@ -17,8 +17,7 @@ use std::sync::atomic::Ordering as AtomicOrdering;
 use fabric_api::{Access, EndpointState, ErrorKind, Opcode, ProviderCode};
 
 use super::{
-    scatter, Arrived, Conn, State, Unit, TX_QUEUE_LIMIT, UNEXPECTED_ENTRY_COST,
-    UNEXPECTED_LIMIT,
+    scatter, Arrived, Conn, State, Unit, TX_QUEUE_LIMIT, UNEXPECTED_ENTRY_COST, UNEXPECTED_LIMIT,
 };
 use crate::setup::IRD;
 use crate::tx::{Kind, OutMsg, Payload};
@@ -52,13 +51,17 @@ pub(super) fn violation(t: Terminate, detail: impl Into<String>) -> RxEnd {
 }
 
 fn wire_violation(e: WireError) -> RxEnd {
+    wire_violation_in(e, false)
+}
+
+/// A decoding error as the Terminate RFC 5040 / 5041 name for it (`tagged`: the DDP
+/// control field's T bit, which decides the DDP error type).
+fn wire_violation_in(e: WireError, tagged: bool) -> RxEnd {
     let t = match e.field {
         "RDMAP opcode" => term::INVALID_OPCODE,
-        "DDP version" | "RDMAP version" => Terminate {
-            layer: 0,
-            etype: 2,
-            ecode: 0x05,
-        },
+        "DDP version" if tagged => term::DDP_VERSION_TAGGED,
+        "DDP version" => term::DDP_VERSION_UNTAGGED,
+        "RDMAP version" => term::RDMAP_VERSION,
         _ => term::FPDU,
     };
     violation(t, e.to_string())
@@ -148,12 +151,37 @@ impl Conn {
     /// Reads and handles until the socket would block, the machine waits for room, or the
     /// connection ends (then the endpoint fails or disconnects, as the end says).
     pub(super) fn rx_step(&self, rx: &mut Rx) {
-        if rx.done {
-            return;
+        if !rx.done {
+            let over = self.lock().status != EndpointState::Connected;
+            let res = if over {
+                Err(RxEnd::Local)
+            } else {
+                self.rx_run(rx)
+            };
+            match res {
+                Ok(()) => return,
+                Err(end) => {
+                    rx.done = true;
+                    self.rx_end(end);
+                }
+            }
         }
-        if let Err(end) = self.rx_run(rx) {
-            rx.done = true;
-            self.rx_end(end);
+        if self.graceful.load(AtomicOrdering::SeqCst) {
+            self.rx_drain(rx);
+        }
+    }
+
+    /// After the end: reads and drops whatever the peer still sends, so that the socket
+    /// ends with a close rather than a reset (which could destroy output the peer has not
+    /// read yet), until the peer closes too.
+    fn rx_drain(&self, rx: &mut Rx) {
+        loop {
+            match (&self.sock).read(&mut rx.buf) {
+                Ok(0) => return,
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return,
+            }
         }
     }
 
@@ -173,7 +201,9 @@ impl Conn {
                         return Err(violation(term::CRC, "MPA CRC mismatch"));
                     }
                 }
-                let hdr = Header::decode(&f[2..2 + hdr_len]).map_err(wire_violation)?;
+                let tagged = f[2] & 0x80 != 0;
+                let hdr =
+                    Header::decode(&f[2..2 + hdr_len]).map_err(|e| wire_violation_in(e, tagged))?;
                 match self.handle(&mut rx.p, hdr, &f[2 + hdr_len..2 + ulpdu])? {
                     Flow::Done => rx.start += total,
                     Flow::Blocked => {
@@ -191,6 +221,15 @@ impl Conn {
                 rx.start = 0;
             }
             match (&self.sock).read(&mut rx.buf[rx.end..]) {
+                Ok(0) if rx.start < rx.end => {
+                    return Err(violation(
+                        term::STREAM_LOST,
+                        format!(
+                            "the stream ended inside an FPDU ({} bytes of it arrived)",
+                            rx.end - rx.start
+                        ),
+                    ))
+                }
                 Ok(0) => return Err(RxEnd::Eof),
                 Ok(n) => rx.end += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
@@ -203,10 +242,14 @@ impl Conn {
     /// The connection is over from the receive side: fail or disconnect the endpoint.
     fn rx_end(&self, end: RxEnd) {
         let mut st = self.lock();
-        let was_connected = st.status == EndpointState::Connected;
-        // Whatever arrives after a local close or error (a late ack, say) is not the
-        // peer's fault: the connection is already over.
-        let end = if was_connected { end } else { RxEnd::Local };
+        if st.status != EndpointState::Connected {
+            // Whatever arrives after a local close or error (a late ack, say) is not the
+            // peer's fault: the connection is already over. What is still queued (a
+            // Terminate, the rest of an FPDU a close began) goes out, then the stream ends.
+            drop(st);
+            self.close_tx(true);
+            return;
+        }
         match end {
             RxEnd::Violation(t, detail) => {
                 tracing::warn!(peer = %self.peer, "peer violated the protocol or an access right: {detail}; sending Terminate {t:?}");
@@ -239,9 +282,7 @@ impl Conn {
                     )),
                     _ => None,
                 };
-                if was_connected {
-                    tracing::debug!(peer = %self.peer, "connection ended: {end:?}");
-                }
+                tracing::debug!(peer = %self.peer, "connection ended: {end:?}");
                 self.enter_error(&mut st, head, EndpointState::Disconnected);
                 drop(st);
                 self.close_tx(false);
@@ -297,8 +338,13 @@ impl Conn {
                 }
                 let qi = q as usize;
                 if msn != r.expect_msn[qi] || mo as usize != r.mo[qi] {
+                    let t = if msn != r.expect_msn[qi] {
+                        term::INVALID_MSN
+                    } else {
+                        term::INVALID_MO
+                    };
                     return Err(violation(
-                        term::FPDU,
+                        t,
                         format!(
                             "DDP MSN/MO on queue {q}: got {msn}/{mo}, expected {}/{}",
                             r.expect_msn[qi], r.mo[qi]
@@ -334,7 +380,10 @@ impl Conn {
         match (q, op) {
             (
                 qn::SEND,
-                opcode::SEND | opcode::SEND_SE | opcode::SEND_INVALIDATE | opcode::SEND_SE_INVALIDATE,
+                opcode::SEND
+                | opcode::SEND_SE
+                | opcode::SEND_INVALIDATE
+                | opcode::SEND_SE_INVALIDATE,
             ) => self.on_send(r, None, mo, payload, last),
             (qn::SEND, opcode::SEND_IMM) if ext_ok(features::IMMEDIATE) => {
                 self.on_send(r, Some(ulp), mo, payload, last)
@@ -380,7 +429,9 @@ impl Conn {
                 .map_err(wire_violation)?;
                 Err(RxEnd::PeerTerminate(t, Terminate::terminated_header(b)))
             }
-            (qn::ATOMIC, opcode::ATOMIC_REQUEST) if ext_ok(features::ATOMICS) && last && mo == 0 => {
+            (qn::ATOMIC, opcode::ATOMIC_REQUEST)
+                if ext_ok(features::ATOMICS) && last && mo == 0 =>
+            {
                 self.on_atomic_request(payload)
             }
             (qn::ATOMIC, opcode::ATOMIC_RESPONSE)
