@@ -3,6 +3,7 @@
 
 mod demo;
 mod info;
+mod perf;
 mod reliability;
 mod rping;
 
@@ -32,6 +33,8 @@ enum Cmd {
     Demo(demo::DemoArgs),
     /// rdma-core's rping protocol, to check a provider against rdma-core's `rping`.
     Rping(rping::RpingArgs),
+    /// Latency and bandwidth of one operation, in fabtests' columns (pingpong, bw, lat).
+    Perf(perf::PerfArgs),
     /// Run the conformance suite (semantics.md as tests) against providers.
     Conformance {
         /// Providers to test, comma separated.
@@ -99,6 +102,7 @@ fn main() -> ExitCode {
         Cmd::Info { json } => info::run(json),
         Cmd::Demo(args) => demo::run(args),
         Cmd::Rping(args) => rping::run(args),
+        Cmd::Perf(args) => perf::run(args),
         Cmd::Conformance {
             provider,
             peer,

@@ -1,0 +1,588 @@
+//! `fabric perf`: latency and bandwidth of one operation over the selected provider, in the
+//! columns of fabtests (bytes, iters, total, time, MB/sec, usec/xfer, Mxfers/sec).
+//!
+//! ```text
+//! fabric perf pingpong|bw|lat --op send|write|read|fetch_add|compare_swap
+//!             [--size N | --sizes 8,64,1K,64K,1M] [--iters N] [--provider P]
+//!             [--role server --listen ADDR | --role client --connect ADDR] [--format text|json]
+//! ```
+//!
+//! With no role the command runs both sides on loopback as two processes: it starts itself
+//! as the server (`--role server`), reads the address the server prints, and runs the client.
+//!
+//! What each test measures (the client does the timing):
+//! * `pingpong`: send: the client sends, the server echoes the message back; write: each side
+//!   writes into the other's memory and polls the last byte for the iteration's marker, as
+//!   `ib_write_lat` does. usec/xfer is one-way: half a round trip (fabtests' pingpong counts
+//!   two transfers per iteration). For read and the atomics one transfer is itself a round
+//!   trip (request and response): usec/xfer is the whole operation, as `ib_read_lat` and
+//!   `ib_atomic_lat` report it, and the server application does nothing.
+//! * `lat`: the same exchange with every iteration timed; adds the minimum, median, 99th
+//!   percentile and maximum (the columns of perftest's `_lat` tools).
+//! * `bw`: the client keeps `--window` requests outstanding (signaling one in four), the
+//!   server only reposts receives (send) or does nothing (one-sided operations); the time
+//!   runs from the first post to the last completion at the client.
+//!
+//! Completions are busy-polled by default (poll, and `sched_yield` when the queue is empty,
+//! so a provider's own threads are not starved on small machines); `--spin` polls without
+//! yielding, `--wait` blocks in the completion queue's `wait`. The output says which.
+
+mod run;
+
+use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::net::SocketAddr;
+use std::process::{Command, ExitCode, Stdio};
+
+use clap::{Args, ValueEnum};
+use fabric::prelude::*;
+
+/// Arguments of `fabric perf`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct PerfArgs {
+    /// Which test: a ping-pong (one-way latency), every iteration timed (latency
+    /// distribution), or a stream of outstanding requests (bandwidth).
+    #[arg(value_enum)]
+    test: Test,
+    /// The operation measured.
+    #[arg(long, value_enum, default_value_t = Op::Send)]
+    op: Op,
+    /// One message size in bytes (suffixes K = 2^10, M = 2^20, G = 2^30).
+    #[arg(long, value_parser = parse_size, conflicts_with = "sizes")]
+    size: Option<u64>,
+    /// Message sizes to sweep, comma separated [default: 8,64,1K,64K,1M; 8 for atomics].
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    sizes: Vec<u64>,
+    /// Timed iterations per size [default: by test and size, see --help].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1_000_000_000))]
+    iters: Option<u64>,
+    /// Untimed iterations before the timed ones [default: a tenth of --iters, at most 1000].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=1_000_000_000))]
+    warmup: Option<u64>,
+    /// bw: requests kept outstanding (reads and atomics: at most the provider's ORD).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    window: u64,
+    /// Provider spec (overrides FABRIC_PROVIDER), e.g. `tcp`.
+    #[arg(long)]
+    provider: Option<String>,
+    /// Run one side only: `server` (with --listen) or `client` (with --connect). Without a
+    /// role both run on loopback as two processes.
+    #[arg(long, value_enum)]
+    role: Option<Role>,
+    /// Address the server listens on [default: 127.0.0.1:0, any port].
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Address of the server (`--role client`).
+    #[arg(long, required_if_eq("role", "client"))]
+    connect: Option<SocketAddr>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    format: Format,
+    /// Block in the completion queue's wait instead of busy polling.
+    #[arg(long, conflicts_with = "spin")]
+    wait: bool,
+    /// Busy poll without yielding the CPU between empty polls.
+    #[arg(long)]
+    spin: bool,
+}
+
+/// The three tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Test {
+    /// Alternating transfers; usec/xfer one-way (fabtests' fi_pingpong).
+    Pingpong,
+    /// Outstanding transfers; MB/sec (perftest's _bw tools).
+    Bw,
+    /// Alternating transfers, each timed; minimum, median, p99, maximum (perftest's _lat).
+    Lat,
+}
+
+/// The operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Op {
+    /// Two-sided send / receive.
+    Send,
+    /// RDMA write.
+    Write,
+    /// RDMA read.
+    Read,
+    /// 64-bit fetch-and-add.
+    #[value(name = "fetch_add", alias = "fetch-add")]
+    FetchAdd,
+    /// 64-bit compare-and-swap.
+    #[value(name = "compare_swap", alias = "compare-swap")]
+    CompareSwap,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Role {
+    Server,
+    Client,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Format {
+    Text,
+    Json,
+}
+
+/// How completions are waited for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Poll; `sched_yield` when the queue is empty.
+    Busy,
+    /// Poll in a tight loop.
+    Spin,
+    /// Block in `CqOps::wait`.
+    Block,
+}
+
+impl Mode {
+    fn describe(self) -> &'static str {
+        match self {
+            Mode::Busy => "busy polling (poll; sched_yield when empty)",
+            Mode::Spin => "busy polling (poll in a tight loop, no yield)",
+            Mode::Block => "blocking wait (CqOps::wait between polls)",
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Busy => "busy-poll",
+            Mode::Spin => "spin",
+            Mode::Block => "wait",
+        }
+    }
+}
+
+impl Test {
+    fn name(self) -> &'static str {
+        match self {
+            Test::Pingpong => "pingpong",
+            Test::Bw => "bw",
+            Test::Lat => "lat",
+        }
+    }
+    fn code(self) -> u8 {
+        self as u8
+    }
+    fn from_code(c: u8) -> Option<Test> {
+        [Test::Pingpong, Test::Bw, Test::Lat]
+            .into_iter()
+            .find(|t| t.code() == c)
+    }
+}
+
+impl Op {
+    fn name(self) -> &'static str {
+        match self {
+            Op::Send => "send",
+            Op::Write => "write",
+            Op::Read => "read",
+            Op::FetchAdd => "fetch_add",
+            Op::CompareSwap => "compare_swap",
+        }
+    }
+    fn code(self) -> u8 {
+        self as u8
+    }
+    fn from_code(c: u8) -> Option<Op> {
+        [Op::Send, Op::Write, Op::Read, Op::FetchAdd, Op::CompareSwap]
+            .into_iter()
+            .find(|o| o.code() == c)
+    }
+    fn needs(self) -> OpSet {
+        match self {
+            Op::Send => OpSet::SEND,
+            Op::Write => OpSet::WRITE,
+            Op::Read => OpSet::READ,
+            Op::FetchAdd => OpSet::FETCH_ADD,
+            Op::CompareSwap => OpSet::COMPARE_SWAP,
+        }
+    }
+    fn is_atomic(self) -> bool {
+        matches!(self, Op::FetchAdd | Op::CompareSwap)
+    }
+    /// Whether one transfer of a ping-pong is one way (send, write) rather than a round
+    /// trip (read, atomics).
+    fn one_way(self) -> bool {
+        matches!(self, Op::Send | Op::Write)
+    }
+}
+
+/// Parses a size: digits with an optional K, M or G suffix (binary: K = 1024).
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (digits, mult) = match t.char_indices().last() {
+        Some((i, 'k' | 'K')) => (&t[..i], 1u64 << 10),
+        Some((i, 'm' | 'M')) => (&t[..i], 1 << 20),
+        Some((i, 'g' | 'G')) => (&t[..i], 1 << 30),
+        _ => (t, 1),
+    };
+    let n: u64 = digits.parse().map_err(|_| {
+        format!("{s:?} is not a size: digits with an optional K, M or G suffix, e.g. 64K")
+    })?;
+    let v = n
+        .checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too large"))?;
+    if v == 0 || v > 1 << 30 {
+        return Err(format!("size {s} out of range: 1 byte to 1G"));
+    }
+    Ok(v)
+}
+
+/// The default number of timed iterations for a test at one size.
+fn default_iters(test: Test, size: u64) -> u64 {
+    match test {
+        // about 64 MiB moved per size, between 100 and 10,000 transfers
+        Test::Bw => ((64u64 << 20) / size).clamp(100, 10_000),
+        // latency: 5,000 small transfers, fewer above 16 KiB
+        Test::Pingpong | Test::Lat => ((80u64 << 20) / size).clamp(100, 5_000),
+    }
+}
+
+/// One measured size: the row of the report.
+#[derive(Debug, Clone)]
+pub(crate) struct Row {
+    /// The test.
+    pub test: Test,
+    /// The operation.
+    pub op: Op,
+    /// Bytes per transfer.
+    pub bytes: u64,
+    /// Timed iterations.
+    pub iters: u64,
+    /// Transfers per iteration (2 for send and write ping-pongs, else 1).
+    pub xfers_per_iter: u64,
+    /// Elapsed seconds of the timed iterations.
+    pub secs: f64,
+    /// lat only: per-transfer microseconds (min, median, p99, max).
+    pub dist: Option<[f64; 4]>,
+}
+
+impl Row {
+    fn total(&self) -> u64 {
+        self.bytes * self.iters * self.xfers_per_iter
+    }
+    fn xfers(&self) -> f64 {
+        (self.iters * self.xfers_per_iter) as f64
+    }
+    fn mb_per_sec(&self) -> f64 {
+        self.total() as f64 / self.secs / 1e6
+    }
+    fn usec_per_xfer(&self) -> f64 {
+        self.secs * 1e6 / self.xfers()
+    }
+    fn mxfers_per_sec(&self) -> f64 {
+        self.xfers() / self.secs / 1e6
+    }
+    fn to_json(&self) -> serde_json::Value {
+        let mut v = serde_json::json!({
+            "test": self.test.name(),
+            "op": self.op.name(),
+            "bytes": self.bytes,
+            "iters": self.iters,
+            "total": self.total(),
+            "secs": self.secs,
+            "mb_per_sec": self.mb_per_sec(),
+            "usec_per_xfer": self.usec_per_xfer(),
+            "mxfers_per_sec": self.mxfers_per_sec(),
+        });
+        if let Some([min, p50, p99, max]) = self.dist {
+            let o = v.as_object_mut().expect("object");
+            o.insert("usec_min".into(), min.into());
+            o.insert("usec_p50".into(), p50.into());
+            o.insert("usec_p99".into(), p99.into());
+            o.insert("usec_max".into(), max.into());
+        }
+        v
+    }
+}
+
+/// One phase the client asks the server to run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Phase {
+    /// Bytes per transfer.
+    pub size: u64,
+    /// Untimed iterations.
+    pub warmup: u64,
+    /// Timed iterations.
+    pub iters: u64,
+}
+
+/// The resolved plan of a run.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan {
+    /// The test.
+    pub test: Test,
+    /// The operation.
+    pub op: Op,
+    /// One phase per size.
+    pub phases: Vec<Phase>,
+    /// bw: outstanding requests.
+    pub window: u64,
+    /// Completion waiting.
+    pub mode: Mode,
+}
+
+impl Plan {
+    fn from_args(a: &PerfArgs) -> Result<Plan, String> {
+        let sizes: Vec<u64> = match (a.size, a.sizes.is_empty()) {
+            (Some(s), _) => vec![s],
+            (None, false) => a.sizes.clone(),
+            (None, true) if a.op.is_atomic() => vec![8],
+            (None, true) => vec![8, 64, 1 << 10, 64 << 10, 1 << 20],
+        };
+        if a.op.is_atomic() && sizes.iter().any(|&s| s != 8) {
+            return Err(format!(
+                "--op {} moves one 64-bit word: the size must be 8",
+                a.op.name()
+            ));
+        }
+        let mode = if a.wait {
+            Mode::Block
+        } else if a.spin {
+            Mode::Spin
+        } else {
+            Mode::Busy
+        };
+        if mode == Mode::Block && a.op == Op::Write && a.test != Test::Bw {
+            return Err("a write ping-pong polls memory for the peer's write (as ib_write_lat does): \
+                 it has no completion to wait for, so --wait does not apply; use --op send or the bw test"
+                .into());
+        }
+        let phases = sizes
+            .into_iter()
+            .map(|size| {
+                let iters = a.iters.unwrap_or_else(|| default_iters(a.test, size));
+                Phase {
+                    size,
+                    warmup: a.warmup.unwrap_or((iters / 10).min(1000)),
+                    iters,
+                }
+            })
+            .collect();
+        Ok(Plan {
+            test: a.test,
+            op: a.op,
+            phases,
+            window: a.window,
+            mode,
+        })
+    }
+
+    fn max_size(&self) -> u64 {
+        self.phases.iter().map(|p| p.size).max().unwrap_or(8)
+    }
+}
+
+/// `fabric perf`.
+pub(crate) fn run(args: PerfArgs) -> Result<ExitCode, String> {
+    let plan = Plan::from_args(&args)?;
+    match args.role {
+        Some(Role::Server) => {
+            if args.connect.is_some() {
+                return Err("--connect is for --role client; the server takes --listen".into());
+            }
+            server(&args)
+        }
+        Some(Role::Client) => {
+            if args.listen.is_some() {
+                return Err("--listen is for --role server; the client takes --connect".into());
+            }
+            let addr = args
+                .connect
+                .expect("clap requires --connect with --role client");
+            let opened = open(&args, plan.op)?;
+            client(&args, &plan, opened, addr)
+        }
+        None => {
+            if args.connect.is_some() {
+                return Err(
+                    "--connect needs --role client (without a role both sides run here)".into(),
+                );
+            }
+            both(&args, &plan)
+        }
+    }
+}
+
+fn open(args: &PerfArgs, op: Op) -> Result<(AnyDomain, fabric::SelectionReport), String> {
+    crate::selector(args.provider.as_deref())?
+        .require(op.needs())
+        .open()
+        .map_err(|e| e.to_string())
+}
+
+fn server(args: &PerfArgs) -> Result<ExitCode, String> {
+    let (domain, _) = open(args, args.op)?;
+    let listen = args
+        .listen
+        .unwrap_or_else(|| "127.0.0.1:0".parse().expect("address"));
+    let listener = domain
+        .listen(listen)
+        .map_err(|e| format!("listen on {listen}: {e}"))?;
+    // The one line the server prints: `fabric perf` without a role reads it.
+    println!("listening on {}", listener.local_addr());
+    std::io::stdout().flush().map_err(|e| e.to_string())?;
+    run::serve(&domain, &listener)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Both sides: this process is the client; the server is this executable again.
+fn both(args: &PerfArgs, plan: &Plan) -> Result<ExitCode, String> {
+    // Selection errors are reported once, here, before a server is started.
+    let opened = open(args, plan.op)?;
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
+    let mut cmd = Command::new(exe);
+    cmd.args(std::env::args_os().skip(1))
+        .args(["--role", "server"]);
+    if args.listen.is_none() {
+        cmd.args(["--listen", "127.0.0.1:0"]);
+    }
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("cannot start the server process: {e}"))?;
+    let mut line = String::new();
+    let stdout = child.stdout.take().expect("piped");
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .map_err(|e| format!("reading the server's address: {e}"))?;
+    let addr = match line.trim().strip_prefix("listening on ") {
+        Some(a) => a
+            .parse::<SocketAddr>()
+            .map_err(|e| format!("server printed {line:?}: {e}"))?,
+        None => {
+            let status = child.wait().map_err(|e| e.to_string())?;
+            return Err(format!("the server process did not start ({status})"));
+        }
+    };
+    let result = client(args, plan, opened, addr);
+    if result.is_err() {
+        let _ = child.kill();
+    }
+    let status = child.wait().map_err(|e| e.to_string())?;
+    let code = result?;
+    if !status.success() {
+        return Err(format!("the server process failed ({status})"));
+    }
+    Ok(code)
+}
+
+fn client(
+    args: &PerfArgs,
+    plan: &Plan,
+    (domain, report): (AnyDomain, fabric::SelectionReport),
+    addr: SocketAddr,
+) -> Result<ExitCode, String> {
+    let total: u64 = plan.phases.iter().map(|p| p.warmup + p.iters).sum();
+    let bar = if std::io::stderr().is_terminal() {
+        let b = indicatif::ProgressBar::new(total);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{prefix} [{bar:30}] {pos}/{len} iterations {msg}",
+            )
+            .expect("template")
+            .progress_chars("=> "),
+        );
+        b.set_prefix(format!("perf {} {}", plan.test.name(), plan.op.name()));
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let rows = run::client(&domain, addr, plan, &bar)?;
+    bar.finish_and_clear();
+    match args.format {
+        Format::Json => {
+            let v = serde_json::json!({
+                "provider": report.provider,
+                "device": report.device,
+                "completions": plan.mode.name(),
+                "rows": rows.iter().map(Row::to_json).collect::<Vec<_>>(),
+            });
+            println!("{v}");
+        }
+        Format::Text => print_text(&report, plan, &rows),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_text(report: &fabric::SelectionReport, plan: &Plan, rows: &[Row]) {
+    println!(
+        "# fabric perf {} --op {}: provider {} (device {}); completions: {}",
+        plan.test.name(),
+        plan.op.name(),
+        report.provider,
+        report.device,
+        plan.mode.describe()
+    );
+    let what = match (plan.test, plan.op.one_way()) {
+        (Test::Bw, _) => format!(
+            "up to {} outstanding (reads and atomics: at most the provider's ORD), one in four signaled; time from first post to last completion",
+            plan.window
+        ),
+        (_, true) => "usec/xfer is one-way: half a round trip (2 transfers per iteration)".into(),
+        (_, false) => "one transfer is a round trip (request and response): usec/xfer is the whole operation".into(),
+    };
+    println!("# MB = 10^6 bytes; {what}");
+    let lat = plan.test == Test::Lat;
+    print!(
+        "{:>10} {:>9} {:>12} {:>9} {:>10} {:>10} {:>11}",
+        "bytes", "iters", "total", "time", "MB/sec", "usec/xfer", "Mxfers/sec"
+    );
+    if lat {
+        print!(" {:>9} {:>9} {:>9} {:>9}", "min", "p50", "p99", "max");
+    }
+    println!();
+    for r in rows {
+        print!(
+            "{:>10} {:>9} {:>12} {:>8.3}s {:>10.2} {:>10.2} {:>11.4}",
+            r.bytes,
+            r.iters,
+            r.total(),
+            r.secs,
+            r.mb_per_sec(),
+            r.usec_per_xfer(),
+            r.mxfers_per_sec()
+        );
+        if let Some(d) = r.dist {
+            print!(" {:>9.2} {:>9.2} {:>9.2} {:>9.2}", d[0], d[1], d[2], d[3]);
+        }
+        println!();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_suffixes() {
+        assert_eq!(parse_size("8"), Ok(8));
+        assert_eq!(parse_size("1K"), Ok(1024));
+        assert_eq!(parse_size("64k"), Ok(65536));
+        assert_eq!(parse_size("1M"), Ok(1 << 20));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("2G").is_err());
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("").is_err());
+    }
+
+    #[test]
+    fn pingpong_counts_two_transfers_per_iteration() {
+        let r = Row {
+            test: Test::Pingpong,
+            op: Op::Send,
+            bytes: 8,
+            iters: 1000,
+            xfers_per_iter: 2,
+            secs: 0.02,
+            dist: None,
+        };
+        assert_eq!(r.total(), 16_000);
+        assert!((r.usec_per_xfer() - 10.0).abs() < 1e-9);
+        assert!((r.mb_per_sec() - 0.8).abs() < 1e-9);
+        assert!((r.mxfers_per_sec() - 0.1).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,778 @@
+//! The two sides of `fabric perf` and the small protocol between them.
+//!
+//! Control messages are 64-byte sends on the measured endpoint itself:
+//! * hello (client to server): the test, the operation, the largest size, the window and the
+//!   client's target region; the server answers with its own region and how many receives
+//!   it keeps posted;
+//! * phase (client to server): one size: run `warmup + iters` iterations of the test;
+//! * bye.
+//!
+//! Receives complete in order, so the server tells control messages from data messages by
+//! counting. Write ping-pongs put an iteration marker in the last byte of every write: each
+//! side polls its own memory for it (never 0; it continues across phases, so a byte left by
+//! an earlier phase never matches).
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use fabric::prelude::*;
+
+use super::{Mode, Op, Plan, Row, Test};
+
+const CTRL_LEN: usize = 64;
+const MAGIC: &[u8; 4] = b"FPRF";
+const HELLO: u8 = 1;
+const REPLY: u8 = 2;
+const PHASE: u8 = 3;
+const BYE: u8 = 4;
+/// Contexts of control sends; data requests count up from 0.
+const CTRL_TAG: u64 = 1 << 63;
+/// How long a side waits without any progress before giving up.
+const STALL: Duration = Duration::from_secs(120);
+/// How long the server waits for the client's next control message.
+const IDLE: Duration = Duration::from_secs(1800);
+/// One ping-pong send or write in this many is signaled.
+const PINGPONG_SIGNAL: u64 = 32;
+/// Memory the server may register for receive buffers of send tests.
+const RECV_POOL_BYTES: u64 = 64 << 20;
+
+const _: () = assert!(24 + RemoteDesc::ENCODED_LEN <= CTRL_LEN);
+
+fn e(what: &'static str) -> impl Fn(fabric::Error) -> String {
+    move |err| format!("{what}: {err}")
+}
+
+/// A control message.
+#[derive(Debug, Clone, Copy)]
+struct Ctrl {
+    kind: u8,
+    test: u8,
+    op: u8,
+    /// hello: largest size; reply: receives the server keeps posted; phase: size.
+    a: u64,
+    /// hello: window; phase: warmup + iters.
+    b: u64,
+    /// phase: the first iteration marker's sequence number.
+    c: u64,
+    desc: Option<RemoteDesc>,
+}
+
+impl Ctrl {
+    fn new(kind: u8) -> Ctrl {
+        Ctrl {
+            kind,
+            test: 0,
+            op: 0,
+            a: 0,
+            b: 0,
+            c: 0,
+            desc: None,
+        }
+    }
+
+    fn encode(&self) -> [u8; CTRL_LEN] {
+        let mut m = [0u8; CTRL_LEN];
+        m[..4].copy_from_slice(MAGIC);
+        m[4] = self.kind;
+        m[5] = self.test;
+        m[6] = self.op;
+        m[7] = self.desc.is_some() as u8;
+        // a and c share bytes 8..16 and 32..40; b at 16..24; desc at 40..60.
+        m[8..16].copy_from_slice(&self.a.to_le_bytes());
+        m[16..24].copy_from_slice(&self.b.to_le_bytes());
+        m[24..32].copy_from_slice(&self.c.to_le_bytes());
+        if let Some(d) = self.desc {
+            m[32..32 + RemoteDesc::ENCODED_LEN].copy_from_slice(&d.to_bytes());
+        }
+        m
+    }
+
+    fn decode(m: &[u8]) -> Result<Ctrl, String> {
+        if m.len() != CTRL_LEN || &m[..4] != MAGIC {
+            return Err(format!(
+                "expected a {CTRL_LEN}-byte control message, got {} bytes: is the peer `fabric perf`?",
+                m.len()
+            ));
+        }
+        let word = |r: std::ops::Range<usize>| u64::from_le_bytes(m[r].try_into().expect("8"));
+        let desc = if m[7] == 1 {
+            Some(
+                RemoteDesc::from_bytes(&m[32..32 + RemoteDesc::ENCODED_LEN])
+                    .map_err(|e| format!("control message: {e}"))?,
+            )
+        } else {
+            None
+        };
+        Ok(Ctrl {
+            kind: m[4],
+            test: m[5],
+            op: m[6],
+            a: word(8..16),
+            b: word(16..24),
+            c: word(24..32),
+            desc,
+        })
+    }
+}
+
+/// Puts the write ping-pong marker of iteration `seq` at the end of `[0, size)`: the
+/// 64-bit `seq + 1` in the last 8 bytes (never repeats, never 0), or below 8 bytes
+/// `seq % 255 + 1` in the last byte.
+fn put_marker(mr: &MemoryRegion, size: usize, seq: u64) {
+    if size >= 8 {
+        mr.buffer().write(size - 8, &(seq + 1).to_le_bytes());
+    } else {
+        mr.buffer().write(size - 1, &[(seq % 255) as u8 + 1]);
+    }
+}
+
+/// Whether the marker of iteration `seq` is at the end of `[0, size)`.
+fn has_marker(mr: &MemoryRegion, size: usize, seq: u64) -> bool {
+    if size >= 8 {
+        let mut b = [0u8; 8];
+        mr.buffer().read(size - 8, &mut b);
+        u64::from_le_bytes(b) == seq + 1
+    } else {
+        let mut b = [0u8];
+        mr.buffer().read(size - 1, &mut b);
+        b[0] == (seq % 255) as u8 + 1
+    }
+}
+
+/// Whether the ping-pong send or write with context `ctx` asks for a completion: one in
+/// `PINGPONG_SIGNAL` (the others free their send-queue slots with it), as fabtests injects
+/// small messages without completions.
+fn signal(ctx: u64) -> bool {
+    ctx % PINGPONG_SIGNAL == PINGPONG_SIGNAL - 1
+}
+
+/// Receives the server keeps posted, from the client's hello.
+fn server_recvs(op: Op, max_size: u64, window: u64) -> (u64, u64) {
+    if op == Op::Send {
+        let slot = max_size.max(CTRL_LEN as u64);
+        ((RECV_POOL_BYTES / slot).clamp(4, window.max(4)), slot)
+    } else {
+        (4, CTRL_LEN as u64)
+    }
+}
+
+/// Polls one completion queue, sorting what it finds: receives are queued in order, data
+/// requests advance `done_upto` (send queues complete in order, so a signaled completion
+/// covers every earlier unsignaled request).
+struct Reaper<'a> {
+    cq: &'a AnyCq,
+    ep: &'a AnyEndpoint,
+    mode: Mode,
+    out: Vec<Completion>,
+    recvs: VecDeque<Completion>,
+    done_upto: u64,
+    /// The endpoint left the connected state (seen while idle).
+    gone: bool,
+}
+
+impl<'a> Reaper<'a> {
+    fn new(cq: &'a AnyCq, ep: &'a AnyEndpoint, mode: Mode) -> Self {
+        Reaper {
+            cq,
+            ep,
+            mode,
+            out: Vec::with_capacity(64),
+            recvs: VecDeque::new(),
+            done_upto: 0,
+            gone: false,
+        }
+    }
+
+    /// One non-blocking poll; returns how many completions it took.
+    fn poll_once(&mut self) -> Result<usize, String> {
+        self.out.clear();
+        let n = self.cq.poll(&mut self.out, 64).map_err(e("poll"))?;
+        for c in self.out.drain(..) {
+            if c.status != Status::Success {
+                return Err(format!(
+                    "{:?} (context {}) failed: {} {:?}",
+                    c.opcode, c.context, c.status, c.provider_code
+                ));
+            }
+            match c.opcode {
+                Opcode::Recv | Opcode::RecvWriteWithImm => self.recvs.push_back(c),
+                _ if c.context & CTRL_TAG != 0 => {}
+                _ => self.done_upto = self.done_upto.max(c.context + 1),
+            }
+        }
+        Ok(n)
+    }
+
+    /// Waits until `ready` holds, polling per the mode; `limit` without progress is an error.
+    fn wait_until(
+        &mut self,
+        mode: Mode,
+        limit: Duration,
+        what: &str,
+        mut ready: impl FnMut(&Self) -> bool,
+    ) -> Result<(), String> {
+        let mut idle = 0u32;
+        let mut since = None::<Instant>;
+        while !ready(self) {
+            if self.poll_once()? > 0 {
+                idle = 0;
+                since = None;
+                continue;
+            }
+            if self.gone {
+                return Err(format!(
+                    "endpoint {:?} while waiting for {what}",
+                    self.ep.state()
+                ));
+            }
+            idle = idle.wrapping_add(1);
+            self.idle(mode, idle, &mut since, limit, what)?;
+        }
+        Ok(())
+    }
+
+    /// One empty poll's pause, and the stall check (every 1024 empty polls when polling).
+    fn idle(
+        &mut self,
+        mode: Mode,
+        idle: u32,
+        since: &mut Option<Instant>,
+        limit: Duration,
+        what: &str,
+    ) -> Result<(), String> {
+        match mode {
+            Mode::Busy => std::thread::yield_now(),
+            Mode::Spin => std::hint::spin_loop(),
+            Mode::Block => {
+                self.cq
+                    .wait(Duration::from_millis(500))
+                    .map_err(e("wait"))?;
+            }
+        }
+        if mode == Mode::Block || idle % 1024 == 0 {
+            let start = *since.get_or_insert_with(Instant::now);
+            if start.elapsed() > limit {
+                return Err(format!(
+                    "no progress for {limit:?} waiting for {what} (endpoint {:?})",
+                    self.ep.state()
+                ));
+            }
+            // The caller polls once more before failing: what the peer sent before it
+            // left may already be queued.
+            self.gone = self.ep.state() != EndpointState::Connected;
+        }
+        Ok(())
+    }
+
+    fn next_recv(&mut self, mode: Mode, limit: Duration) -> Result<Completion, String> {
+        self.wait_until(mode, limit, "a receive", |r| !r.recvs.is_empty())?;
+        Ok(self.recvs.pop_front().expect("ready"))
+    }
+
+    fn wait_done(&mut self, upto: u64) -> Result<(), String> {
+        self.wait_until(self.mode, STALL, "completions", |r| r.done_upto >= upto)
+    }
+
+    /// Polls the end of `[0, size)` in `buf` until it holds marker `seq`, reaping
+    /// completions meanwhile.
+    fn wait_marker(&mut self, buf: &MemoryRegion, size: usize, seq: u64) -> Result<(), String> {
+        let mut idle = 0u32;
+        let mut since = None;
+        loop {
+            if has_marker(buf, size, seq) {
+                return Ok(());
+            }
+            if self.poll_once()? == 0 && self.gone {
+                return Err(format!(
+                    "endpoint {:?} while waiting for the peer's write",
+                    self.ep.state()
+                ));
+            }
+            idle = idle.wrapping_add(1);
+            // Memory has nothing to block on: yield when waiting is asked for.
+            let mode = if self.mode == Mode::Block {
+                Mode::Busy
+            } else {
+                self.mode
+            };
+            self.idle(mode, idle, &mut since, STALL, "the peer's write")?;
+        }
+    }
+
+    /// Posts with `post`, reaping and retrying while the send queue is full.
+    fn post(&mut self, mut post: impl FnMut() -> fabric::Result<()>) -> Result<(), String> {
+        let mut idle = 0u32;
+        let mut since = None;
+        loop {
+            match post() {
+                Ok(()) => return Ok(()),
+                Err(err) if err.kind() == ErrorKind::QueueFull => {
+                    if self.poll_once()? == 0 {
+                        if self.gone {
+                            return Err(format!("post: {err} (endpoint {:?})", self.ep.state()));
+                        }
+                        idle = idle.wrapping_add(1);
+                        let mode = self.mode;
+                        self.idle(mode, idle, &mut since, STALL, "send queue room")?;
+                    }
+                }
+                Err(err) => return Err(format!("post: {err}")),
+            }
+        }
+    }
+}
+
+fn send_ctrl(
+    r: &mut Reaper<'_>,
+    ep: &AnyEndpoint,
+    mr: &MemoryRegion,
+    seq: &mut u64,
+    c: Ctrl,
+) -> Result<(), String> {
+    mr.buffer().write(0, &c.encode());
+    let sgl = [mr.slice(0..CTRL_LEN).map_err(e("slice"))?];
+    *seq += 1;
+    let ctx = CTRL_TAG | *seq;
+    // Inline: the buffer is reused for the next control message at once.
+    r.post(|| ep.post_send(&SendWr::send(ctx, &sgl).inline()))
+}
+
+fn endpoint_config(cq: &AnyCq, depth: u64) -> EndpointConfig<'_, AnyCq> {
+    let mut cfg = EndpointConfig::new(cq);
+    cfg.sq_depth = (depth as u32).max(256);
+    cfg.rq_depth = (depth as u32).max(256);
+    cfg.timeout = Duration::from_secs(30);
+    cfg
+}
+
+/// The server: accepts one client and runs the phases it asks for.
+pub(crate) fn serve(domain: &AnyDomain, listener: &AnyListener) -> Result<(), String> {
+    let cq = domain.create_cq(4096).map_err(e("create_cq"))?;
+    let ep = listener
+        .accept(&endpoint_config(&cq, 1024), IDLE)
+        .map_err(e("accept"))?;
+    let hello_mr = domain
+        .alloc(CTRL_LEN, Access::LOCAL_WRITE)
+        .map_err(e("register"))?;
+    ep.post_recv(&RecvWr::new(CTRL_TAG, &[hello_mr.all()]))
+        .map_err(e("post_recv"))?;
+    // The mode of the hot path comes with each phase; control waits block.
+    let mut r = Reaper::new(&cq, &ep, Mode::Block);
+    let c = r.next_recv(Mode::Block, IDLE)?;
+    let hello = Ctrl::decode(&hello_mr.buffer().to_vec(0, c.byte_len as usize))?;
+    if hello.kind != HELLO {
+        return Err(format!("expected hello, got control kind {}", hello.kind));
+    }
+    let op = Op::from_code(hello.op).ok_or("unknown operation in hello")?;
+    let mode = match hello.c {
+        0 => Mode::Busy,
+        1 => Mode::Spin,
+        _ => Mode::Block,
+    };
+    r.mode = mode;
+    let peer = hello.desc.ok_or("hello without the client's region")?;
+    let max_size = hello.a.max(CTRL_LEN as u64) as usize;
+    let target = domain
+        .alloc(max_size, Access::all())
+        .map_err(e("register target"))?;
+    let local = domain
+        .alloc(max_size, Access::LOCAL_WRITE)
+        .map_err(e("register"))?;
+    let (nrecv, slot) = server_recvs(op, hello.a, hello.b);
+    let slot = slot as usize;
+    let pool = domain
+        .alloc(slot * nrecv as usize, Access::LOCAL_WRITE)
+        .map_err(e("register receive pool"))?;
+    let post_slot = |i: u64| -> Result<(), String> {
+        let s = i as usize * slot;
+        ep.post_recv(&RecvWr::new(
+            i,
+            &[pool.slice(s..s + slot).map_err(e("slice"))?],
+        ))
+        .map_err(e("post_recv"))
+    };
+    for i in 0..nrecv {
+        post_slot(i)?;
+    }
+    let ctrl_mr = domain
+        .alloc(CTRL_LEN, Access::LOCAL_WRITE)
+        .map_err(e("register"))?;
+    let mut seq = 0;
+    let mut reply = Ctrl::new(REPLY);
+    reply.a = nrecv;
+    reply.desc = Some(target.desc());
+    send_ctrl(&mut r, &ep, &ctrl_mr, &mut seq, reply)?;
+    let mut ctx = 0u64;
+    loop {
+        let c = r.next_recv(Mode::Block, IDLE)?;
+        let s = c.context as usize * slot;
+        let m = Ctrl::decode(&pool.buffer().to_vec(s, c.byte_len as usize))?;
+        post_slot(c.context)?;
+        match m.kind {
+            BYE => return Ok(()),
+            PHASE => {}
+            k => return Err(format!("unexpected control kind {k}")),
+        }
+        let test = Test::from_code(m.test).ok_or("unknown test in phase")?;
+        let size = m.a as usize;
+        let count = m.b;
+        match (test, op) {
+            (Test::Pingpong | Test::Lat, Op::Send) => {
+                let src = [local.slice(0..size).map_err(e("slice"))?];
+                let inline = size as u64 <= domain.info().caps.limits.max_inline as u64;
+                for _ in 0..count {
+                    let c = r.next_recv(mode, STALL)?;
+                    post_slot(c.context)?;
+                    let wr = SendWr::send(ctx, &src);
+                    let wr = if inline { wr.inline() } else { wr };
+                    let wr = if signal(ctx) { wr } else { wr.unsignaled() };
+                    ctx += 1;
+                    r.post(|| ep.post_send(&wr))?;
+                }
+            }
+            (Test::Pingpong | Test::Lat, Op::Write) => {
+                // Only the marker is ever non-zero in what is written.
+                local.buffer().fill(0, max_size, 0);
+                let src = [local.slice(0..size).map_err(e("slice"))?];
+                for k in 0..count {
+                    r.wait_marker(&target, size, m.c + k)?;
+                    put_marker(&local, size, m.c + k);
+                    let wr = SendWr::write(ctx, &src, peer.at(0));
+                    let wr = if signal(ctx) { wr } else { wr.unsignaled() };
+                    ctx += 1;
+                    r.post(|| ep.post_send(&wr))?;
+                }
+            }
+            (Test::Bw, Op::Send) => {
+                for _ in 0..count {
+                    let c = r.next_recv(mode, STALL)?;
+                    post_slot(c.context)?;
+                }
+            }
+            // One-sided operations: the server application does nothing.
+            _ => {}
+        }
+    }
+}
+
+/// The client: connects, runs every phase of `plan`, returns one row per phase.
+pub(crate) fn client(
+    domain: &AnyDomain,
+    addr: SocketAddr,
+    plan: &Plan,
+    bar: &indicatif::ProgressBar,
+) -> Result<Vec<Row>, String> {
+    let max_size = plan.max_size().max(CTRL_LEN as u64) as usize;
+    let cq = domain
+        .create_cq((plan.window as usize * 4).max(4096))
+        .map_err(e("create_cq"))?;
+    let ep = domain
+        .connect(addr, &endpoint_config(&cq, plan.window * 2))
+        .map_err(|err| format!("connect to {addr}: {err}"))?;
+    let target = domain
+        .alloc(max_size, Access::all())
+        .map_err(e("register target"))?;
+    let local = domain
+        .alloc(max_size, Access::LOCAL_WRITE)
+        .map_err(e("register"))?;
+    let echo = domain
+        .alloc(max_size, Access::LOCAL_WRITE)
+        .map_err(e("register"))?;
+    let ctrl_mr = domain
+        .alloc(CTRL_LEN, Access::LOCAL_WRITE)
+        .map_err(e("register"))?;
+    let reply_mr = domain
+        .alloc(CTRL_LEN, Access::LOCAL_WRITE)
+        .map_err(e("register"))?;
+    let result = domain
+        .alloc(8, Access::LOCAL_WRITE)
+        .map_err(e("register"))?;
+    let mut r = Reaper::new(&cq, &ep, plan.mode);
+    let mut seq = 0;
+
+    ep.post_recv(&RecvWr::new(CTRL_TAG, &[reply_mr.all()]))
+        .map_err(e("post_recv"))?;
+    let mut hello = Ctrl::new(HELLO);
+    hello.test = plan.test.code();
+    hello.op = plan.op.code();
+    hello.a = plan.max_size();
+    hello.b = plan.window;
+    hello.c = match plan.mode {
+        Mode::Busy => 0,
+        Mode::Spin => 1,
+        Mode::Block => 2,
+    };
+    hello.desc = Some(target.desc());
+    send_ctrl(&mut r, &ep, &ctrl_mr, &mut seq, hello)?;
+    let c = r.next_recv(Mode::Block, STALL)?;
+    let reply = Ctrl::decode(&reply_mr.buffer().to_vec(0, c.byte_len as usize))?;
+    if reply.kind != REPLY {
+        return Err(format!(
+            "expected the server's reply, got kind {}",
+            reply.kind
+        ));
+    }
+    let remote = reply.desc.ok_or("reply without the server's region")?;
+    let server_recvs = reply.a;
+    let limits = domain.info().caps.limits;
+    let window = match plan.op {
+        Op::Send => plan.window.min(server_recvs),
+        Op::Write => plan.window,
+        _ => plan
+            .window
+            .min(u64::from(limits.max_outstanding_reads).max(1)),
+    };
+    let max_inline = u64::from(limits.max_inline);
+
+    let mut st = State {
+        r,
+        ep: &ep,
+        ctx: 0,
+        marker_seq: 0,
+        phase_left: 0,
+        cas_compare: 0,
+    };
+    let mut rows = Vec::new();
+    for ph in &plan.phases {
+        bar.set_message(format!("{} bytes", ph.size));
+        let mut m = Ctrl::new(PHASE);
+        m.test = plan.test.code();
+        m.op = plan.op.code();
+        m.a = ph.size;
+        m.b = ph.warmup + ph.iters;
+        m.c = st.marker_seq;
+        send_ctrl(&mut st.r, &ep, &ctrl_mr, &mut seq, m)?;
+        let size = ph.size as usize;
+        if plan.op == Op::Write && plan.test != Test::Bw {
+            // Only the marker is ever non-zero in what is written.
+            local.buffer().fill(0, max_size, 0);
+        }
+        st.phase_left = ph.warmup + ph.iters;
+        let src = [local.slice(0..size).map_err(e("slice"))?];
+        let sink = [local.slice(0..size).map_err(e("slice"))?];
+        let echo_sgl = [echo.slice(0..size).map_err(e("slice"))?];
+        let res = result.all();
+        let inline = ph.size <= max_inline;
+        // One request of the operation with context `ctx`.
+        let wr = |ctx: u64, signaled: bool, cas_old: u64| -> SendWr<'_> {
+            let w = match plan.op {
+                Op::Send => SendWr::send(ctx, &src),
+                Op::Write => SendWr::write(ctx, &src, remote.at(0)),
+                Op::Read => SendWr::read(ctx, &sink, remote.at(0)),
+                Op::FetchAdd => SendWr::fetch_add(ctx, res, remote.at(0), 1),
+                Op::CompareSwap => {
+                    SendWr::compare_swap(ctx, res, remote.at(0), cas_old, cas_old.wrapping_add(1))
+                }
+            };
+            let w = if inline && matches!(plan.op, Op::Send | Op::Write) {
+                w.inline()
+            } else {
+                w
+            };
+            if signaled {
+                w
+            } else {
+                w.unsignaled()
+            }
+        };
+        let row = match plan.test {
+            Test::Bw => {
+                st.stream(ph.warmup, window, &wr, bar)?;
+                let t = Instant::now();
+                st.stream(ph.iters, window, &wr, bar)?;
+                let secs = t.elapsed().as_secs_f64();
+                Row {
+                    test: plan.test,
+                    op: plan.op,
+                    bytes: ph.size,
+                    iters: ph.iters,
+                    xfers_per_iter: 1,
+                    secs,
+                    dist: None,
+                }
+            }
+            Test::Pingpong | Test::Lat => {
+                let timed = plan.test == Test::Lat;
+                let io = PingIo {
+                    op: plan.op,
+                    size,
+                    local: &local,
+                    target: &target,
+                    echo: &echo_sgl,
+                    result: &result,
+                };
+                if plan.op == Op::Send {
+                    // The first echo's receive; each iteration posts the next one.
+                    st.ep
+                        .post_recv(&RecvWr::new(0, &echo_sgl))
+                        .map_err(e("post_recv"))?;
+                }
+                st.pingpong(&io, ph.warmup, false, &wr, bar)?;
+                let t = Instant::now();
+                let samples = st.pingpong(&io, ph.iters, timed, &wr, bar)?;
+                let secs = t.elapsed().as_secs_f64();
+                let xfers_per_iter = if plan.op.one_way() { 2 } else { 1 };
+                let dist = timed.then(|| distribution(samples, xfers_per_iter));
+                Row {
+                    test: plan.test,
+                    op: plan.op,
+                    bytes: ph.size,
+                    iters: ph.iters,
+                    xfers_per_iter,
+                    secs,
+                    dist,
+                }
+            }
+        };
+        rows.push(row);
+    }
+    send_ctrl(&mut st.r, &ep, &ctrl_mr, &mut seq, Ctrl::new(BYE))?;
+    // Wait until the bye has left: its completion (control sends are all signaled).
+    let want = CTRL_TAG | seq;
+    let mut seen = false;
+    let deadline = Instant::now() + STALL;
+    while !seen {
+        let mut out = Vec::new();
+        cq.poll(&mut out, 64).map_err(e("poll"))?;
+        seen = out.iter().any(|c| c.context == want);
+        if !seen {
+            if Instant::now() > deadline {
+                return Err("the bye message never completed".into());
+            }
+            cq.wait(Duration::from_millis(100)).map_err(e("wait"))?;
+        }
+    }
+    Ok(rows)
+}
+
+/// Microseconds per transfer: min, median, p99, max.
+fn distribution(mut samples: Vec<f64>, xfers_per_iter: u64) -> [f64; 4] {
+    for s in &mut samples {
+        *s *= 1e6 / xfers_per_iter as f64;
+    }
+    samples.sort_by(|a, b| a.total_cmp(b));
+    let at = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+    [at(0.0), at(0.5), at(0.99), at(1.0)]
+}
+
+/// Regions of a ping-pong.
+struct PingIo<'a> {
+    op: Op,
+    size: usize,
+    local: &'a MemoryRegion,
+    target: &'a MemoryRegion,
+    echo: &'a [fabric::Slice<'a>],
+    result: &'a MemoryRegion,
+}
+
+/// The client's running state across phases.
+struct State<'a> {
+    r: Reaper<'a>,
+    ep: &'a AnyEndpoint,
+    /// The next data request's context.
+    ctx: u64,
+    /// The next write ping-pong marker's sequence number.
+    marker_seq: u64,
+    /// Ping-pong iterations left in this phase, warm-up included.
+    phase_left: u64,
+    /// The value the next compare-and-swap expects.
+    cas_compare: u64,
+}
+
+impl State<'_> {
+    /// Posts `n` requests keeping at most `window` outstanding; one in four of the window
+    /// (and the last) is signaled.
+    fn stream<'w>(
+        &mut self,
+        n: u64,
+        window: u64,
+        wr: &impl Fn(u64, bool, u64) -> SendWr<'w>,
+        bar: &indicatif::ProgressBar,
+    ) -> Result<(), String> {
+        let base = self.ctx;
+        let end = base + n;
+        let every = (window / 4).max(1);
+        while self.ctx < end {
+            if self.ctx - self.r.done_upto >= window {
+                let need = self.ctx - window + 1;
+                self.r.wait_done(need)?;
+            }
+            let i = self.ctx - base;
+            let signaled = (i + 1) % every == 0 || self.ctx + 1 == end;
+            let w = wr(self.ctx, signaled, 0);
+            let ep = self.ep;
+            self.r.post(|| ep.post_send(&w))?;
+            self.ctx += 1;
+            if i & 1023 == 1023 {
+                bar.inc(1024);
+            }
+        }
+        bar.inc(n & 1023);
+        self.r.wait_done(end)
+    }
+
+    /// `n` ping-pong iterations. Returns per-iteration seconds when `timed`.
+    fn pingpong<'w>(
+        &mut self,
+        io: &PingIo<'_>,
+        n: u64,
+        timed: bool,
+        wr: &impl Fn(u64, bool, u64) -> SendWr<'w>,
+        bar: &indicatif::ProgressBar,
+    ) -> Result<Vec<f64>, String> {
+        let mut samples = Vec::with_capacity(if timed { n as usize } else { 0 });
+        let ep = self.ep;
+        let mode = self.r.mode;
+        for i in 0..n {
+            let t = timed.then(Instant::now);
+            let ctx = self.ctx;
+            self.ctx += 1;
+            self.phase_left -= 1;
+            match io.op {
+                Op::Send => {
+                    let w = wr(ctx, signal(ctx) || self.phase_left == 0, 0);
+                    self.r.post(|| ep.post_send(&w))?;
+                    self.r.next_recv(mode, STALL)?;
+                    // The next echo's receive, unless this was the phase's last.
+                    if self.phase_left > 0 {
+                        ep.post_recv(&RecvWr::new(0, io.echo))
+                            .map_err(e("post_recv"))?;
+                    }
+                }
+                Op::Write => {
+                    let seq = self.marker_seq;
+                    self.marker_seq += 1;
+                    put_marker(io.local, io.size, seq);
+                    let w = wr(ctx, signal(ctx) || self.phase_left == 0, 0);
+                    self.r.post(|| ep.post_send(&w))?;
+                    self.r.wait_marker(io.target, io.size, seq)?;
+                }
+                Op::Read | Op::FetchAdd | Op::CompareSwap => {
+                    let w = wr(ctx, true, self.cas_compare);
+                    self.r.post(|| ep.post_send(&w))?;
+                    self.r.wait_done(ctx + 1)?;
+                    if io.op == Op::CompareSwap {
+                        // The word now holds compare + 1 if the swap happened, else `old`.
+                        let old = u64::from_ne_bytes(
+                            io.result.buffer().to_vec(0, 8).try_into().expect("8"),
+                        );
+                        self.cas_compare = if old == self.cas_compare {
+                            old.wrapping_add(1)
+                        } else {
+                            old
+                        };
+                    }
+                }
+            }
+            if let Some(t) = t {
+                samples.push(t.elapsed().as_secs_f64());
+            }
+            if i & 255 == 255 {
+                bar.inc(256);
+            }
+        }
+        bar.inc(n & 255);
+        Ok(samples)
+    }
+}
