@@ -102,7 +102,7 @@ pub(crate) struct OutMsg {
     /// Send-queue sequence number to mark as sent once fully written.
     pub sent_seq: Option<u64>,
     /// A Read or Atomic Response: counts against the IRD we advertised until the
-    /// transmit thread takes it.
+    /// transmit queue starts writing it.
     pub inbound: bool,
 }
 

@@ -39,7 +39,7 @@ use crate::wire::mpa::features;
 
 use rx::{violation, Rx, RxEnd};
 
-/// Bytes of unmatched incoming messages buffered per endpoint before the receive thread
+/// Bytes of unmatched incoming messages buffered per endpoint before the receive machine
 /// stops reading (TCP back-pressure then holds the sender: nothing is lost). A message
 /// larger than what is left waits, part-buffered, for a receive and is then placed into it
 /// directly, so one endpoint never buffers more than this (semantics.md section 8).
@@ -49,7 +49,7 @@ pub(crate) const UNEXPECTED_LIMIT: usize = 8 << 20;
 /// payload: a flood of zero-byte messages is bounded too.
 pub(crate) const UNEXPECTED_ENTRY_COST: usize = 64;
 
-/// Messages queued for the transmit thread beyond which the receive thread stops reading
+/// Messages queued for transmission beyond which the receive machine stops reading
 /// from the peer: a peer that sends and never reads cannot grow our output (acks,
 /// responses) without bound; TCP back-pressure then holds it.
 pub(crate) const TX_QUEUE_LIMIT: usize = 4096;
@@ -766,7 +766,7 @@ impl Conn {
 
     // ----- transmit ------------------------------------------------------------------
 
-    /// Assigns the MSN and hands the message to the socket or the transmit thread.
+    /// Assigns the MSN and hands the message to the socket, or queues it behind others.
     fn transmit(&self, st: &mut State, mut m: OutMsg) {
         if let Kind::Untagged { qn, msn, .. } = &mut m.kind {
             *msn = st.msn[*qn as usize];
