@@ -24,6 +24,8 @@
 //! crc = false                        # ask for MPA CRC32c
 //! extensions = true                  # announce atomics / immediate data / acks to our peers
 //! max_segment = 65472                # payload bytes per FPDU
+//! dead_peer_timeout_ms = 10000       # a silent peer host fails the endpoint within this
+//! progress = "auto"                  # "auto": a progress thread per domain; "manual": polls only
 //!
 //! hooks = ["trace", "fault"]         # wrap the provider (FABRIC_HOOKS=trace,fault)
 //!
@@ -181,6 +183,8 @@ struct TcpSection {
     crc: Option<bool>,
     extensions: Option<bool>,
     max_segment: Option<usize>,
+    dead_peer_timeout_ms: Option<u64>,
+    progress: Option<String>,
 }
 
 /// Chooses a provider from configuration and opens a domain on it.
@@ -292,6 +296,27 @@ impl Selector {
             }
             if let Some(v) = t.max_segment {
                 self.tcp.max_segment = v;
+            }
+            if let Some(ms) = t.dead_peer_timeout_ms {
+                if !(2_000..=3_600_000).contains(&ms) {
+                    return Err(Error::new(
+                        ErrorKind::Config,
+                        format!("[tcp] dead_peer_timeout_ms = {ms}: expected 2000..=3600000"),
+                    ));
+                }
+                self.tcp.dead_peer_timeout = std::time::Duration::from_millis(ms);
+            }
+            if let Some(p) = t.progress {
+                self.tcp.progress = match p.as_str() {
+                    "auto" => fabric_tcp::ProgressMode::Auto,
+                    "manual" => fabric_tcp::ProgressMode::Manual,
+                    other => {
+                        return Err(Error::new(
+                            ErrorKind::Config,
+                            format!("[tcp] progress = {other:?}: expected \"auto\" or \"manual\""),
+                        ))
+                    }
+                };
             }
         }
         if let Some(v) = cfg.roce {
@@ -698,5 +723,19 @@ mod tests {
             .unwrap()
             .open()
             .is_err());
+        let s = Selector::new()
+            .config_str("[tcp]\nprogress = \"manual\"\ndead_peer_timeout_ms = 5000\n")
+            .unwrap();
+        assert_eq!(s.tcp.progress, fabric_tcp::ProgressMode::Manual);
+        assert_eq!(s.tcp.dead_peer_timeout, std::time::Duration::from_secs(5));
+        for (bad, key) in [
+            ("progress = \"sometimes\"", "progress"),
+            ("dead_peer_timeout_ms = 1", "dead_peer_timeout_ms"),
+        ] {
+            let e = Selector::new()
+                .config_str(&format!("[tcp]\n{bad}\n"))
+                .unwrap_err();
+            assert!(e.message().contains(key), "{e}");
+        }
     }
 }

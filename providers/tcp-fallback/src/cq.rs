@@ -1,9 +1,13 @@
-//! The completion queue: a bounded queue with reservation, so it can never overrun.
+//! The completion queue: a bounded queue with reservation, so it can never overrun, and
+//! the poll set of its endpoints' sockets: polling it makes progress (see
+//! [`crate::engine`]).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use crate::engine::PollSet;
 
 use fabric_api::spi::CompletionQueue;
 use fabric_api::{Completion, Error, ErrorKind, Result};
@@ -11,8 +15,8 @@ use fabric_api::{Completion, Error, ErrorKind, Result};
 #[derive(Debug)]
 struct Inner {
     queue: Mutex<VecDeque<Completion>>,
-    ready: Condvar,
-    waiters: AtomicUsize,
+    /// The sockets of the endpoints reporting here, and a waker.
+    set: Arc<PollSet>,
     capacity: usize,
     /// Slots promised to posted operations plus completions not yet polled.
     reserved: AtomicUsize,
@@ -35,8 +39,7 @@ impl TcpCq {
         Ok(TcpCq {
             inner: Arc::new(Inner {
                 queue: Mutex::new(VecDeque::with_capacity(capacity)),
-                ready: Condvar::new(),
-                waiters: AtomicUsize::new(0),
+                set: Arc::new(PollSet::new()?),
                 capacity,
                 reserved: AtomicUsize::new(0),
             }),
@@ -68,14 +71,20 @@ impl TcpCq {
         let mut q = self.inner.queue.lock().expect("cq poisoned");
         q.push_back(c);
         drop(q);
-        if self.inner.waiters.load(Ordering::Acquire) > 0 {
-            self.inner.ready.notify_all();
-        }
+        self.inner.set.wake();
+    }
+
+    /// The poll set of this queue's endpoints.
+    pub(crate) fn set(&self) -> &Arc<PollSet> {
+        &self.inner.set
     }
 }
 
 impl CompletionQueue for TcpCq {
     fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        // Progress first, without blocking: a zero-timeout look at the sockets (skipped
+        // when another thread is polling them: it does the work).
+        self.inner.set.run_now();
         let mut q = self.inner.queue.lock().expect("cq poisoned");
         let n = q.len().min(max);
         out.extend(q.drain(..n));
@@ -86,25 +95,21 @@ impl CompletionQueue for TcpCq {
 
     fn wait(&self, timeout: Duration) -> Result<bool> {
         let deadline = Instant::now() + timeout;
-        let mut q = self.inner.queue.lock().expect("cq poisoned");
-        self.inner.waiters.fetch_add(1, Ordering::AcqRel);
-        let ready = loop {
-            if !q.is_empty() {
-                break true;
+        loop {
+            if !self.inner.queue.lock().expect("cq poisoned").is_empty() {
+                return Ok(true);
             }
             let now = Instant::now();
             if now >= deadline {
-                break false;
+                return Ok(false);
             }
-            q = self
-                .inner
-                .ready
-                .wait_timeout(q, deadline - now)
-                .expect("cq poisoned")
-                .0;
-        };
-        self.inner.waiters.fetch_sub(1, Ordering::AcqRel);
-        Ok(ready)
+            // Sleeps in epoll_wait on this queue's sockets and its waker (a completion
+            // produced elsewhere wakes it); `push` checks for sleepers after queueing, and
+            // the queue is re-checked here after every wake-up, so none is lost.
+            self.inner.set.run_unless(Some(deadline - now), || {
+                !self.inner.queue.lock().expect("cq poisoned").is_empty()
+            });
+        }
     }
 
     fn capacity(&self) -> usize {

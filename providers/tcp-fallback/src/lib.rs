@@ -13,8 +13,9 @@
 //! at post time, and sends and writes complete once handed to TCP.
 //!
 //! What is emulated rather than native (it has no RDMA hardware):
-//! * remote placement, reads and atomics are executed by the target's receive thread, which
-//!   blocks in `read` (progress without the application, no spinning when idle);
+//! * remote placement, reads and atomics are executed by the target's progress engine
+//!   ([`engine`]): a progress thread per domain sleeping in `epoll_wait` (progress without
+//!   the application, no spinning when idle) and the application's own polls;
 //! * atomics use `AtomicU64` on the target word: atomic with respect to every other atomic
 //!   issued through the framework, not with respect to plain CPU stores;
 //! * receiver-not-ready: a send that finds no posted receive is buffered at the target
@@ -23,6 +24,7 @@
 
 mod conn;
 mod cq;
+pub mod engine;
 mod keys;
 pub mod listen;
 mod setup;
@@ -42,6 +44,7 @@ use fabric_api::{
 };
 
 pub use cq::TcpCq;
+pub use engine::ProgressMode;
 
 /// Provider name.
 pub const NAME: &str = "tcp";
@@ -73,6 +76,9 @@ pub struct TcpOptions {
     /// (idle for a third of this, then 5 probes spread over the rest) and
     /// `TCP_USER_TIMEOUT` bounds unacknowledged output by the same figure.
     pub dead_peer_timeout: Duration,
+    /// Who makes progress: a progress thread per domain plus the application (`Auto`), or
+    /// the application's polls alone (`Manual`). See [`engine`].
+    pub progress: ProgressMode,
 }
 
 /// Keepalive probes sent before a silent peer is declared dead.
@@ -85,6 +91,7 @@ impl Default for TcpOptions {
             extensions: true,
             max_segment: 65_472,
             dead_peer_timeout: Duration::from_secs(10),
+            progress: ProgressMode::Auto,
         }
     }
 }
@@ -131,7 +138,7 @@ fn capabilities() -> Capabilities {
         },
         imm_size: 4,
         emulated: vec![
-            emu("RMA", OpSet::WRITE | OpSet::READ | OpSet::WRITE_IMM, "placement, reads and responses by the target's receive thread over TCP"),
+            emu("RMA", OpSet::WRITE | OpSet::READ | OpSet::WRITE_IMM, "placement, reads and responses by the target's progress engine (one thread per domain plus the application's polls) over TCP"),
             emu("atomics", OpSet::ATOMICS, "executed at the target on AtomicU64 (RFC 7306-style extension, peers of this framework only)"),
             emu("immediate data", OpSet::SEND_IMM | OpSet::WRITE_IMM, "RFC 7306-style Immediate Data extension (peers of this framework only)"),
             emu("delivery-complete writes", OpSet::WRITE, "target acknowledges each message once placed (extension)"),
@@ -147,6 +154,8 @@ struct DomainShared {
     keys: Arc<keys::KeyTable>,
     opts: TcpOptions,
     info: ProviderInfo,
+    /// The poll set and progress thread of every endpoint of this domain.
+    engine: Arc<engine::Engine>,
 }
 
 /// A tcp domain: a key (STag) table and the options its endpoints use.
@@ -177,6 +186,7 @@ impl TcpDomain {
             shared: Arc::new(DomainShared {
                 id: fabric_api::region::next_domain_id(),
                 keys: Arc::default(),
+                engine: Arc::new(engine::Engine::new(opts.progress)?),
                 opts,
                 info: info(),
             }),
@@ -210,6 +220,7 @@ impl TcpDomain {
             cfg.recv_cq.clone(),
             cfg.sq_depth as usize,
             cfg.rq_depth as usize,
+            self.shared.engine.clone(),
         )?;
         conn.start()?;
         Ok(TcpEndpoint { conn })
@@ -219,7 +230,7 @@ impl TcpDomain {
 /// Keepalive and `TCP_USER_TIMEOUT` so that a peer host that goes silent (powered off,
 /// unplugged, its packets dropped) fails the connection within `bound`: an idle connection
 /// is probed after `bound / 3`, then [`KEEPALIVE_PROBES`] times over the rest; output the
-/// peer never acknowledges fails after `bound`. The receive thread then reads `ETIMEDOUT`,
+/// peer never acknowledges fails after `bound`. The receive machine then reads `ETIMEDOUT`,
 /// and outstanding operations complete `RetryExceeded`.
 fn dead_peer_detection(sock: &TcpStream, bound: Duration) -> Result<()> {
     let idle = (bound / 3).max(Duration::from_secs(1));
@@ -393,7 +404,7 @@ impl spi::Endpoint for TcpEndpoint {
     }
     fn emulated(&self) -> Vec<String> {
         use wire::mpa::features as f;
-        let mut v = vec!["RMA by the target's receive thread".to_string()];
+        let mut v = vec!["RMA by the target's progress engine".to_string()];
         let n = &self.conn.neg;
         if n.features & f::ATOMICS != 0 {
             v.push("atomics (target AtomicU64)".into());
@@ -438,6 +449,7 @@ impl spi::Endpoint for TcpEndpoint {
 impl Drop for TcpEndpoint {
     fn drop(&mut self) {
         self.conn.close();
+        self.conn.unwatch();
     }
 }
 

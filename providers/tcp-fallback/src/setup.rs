@@ -10,7 +10,7 @@ use crate::conn::Negotiated;
 use crate::wire::mpa::{self, Enhanced, ExtBlock, MpaFrame, RtrKinds, Setup};
 use crate::TcpOptions;
 
-/// Inbound reads and atomics we serve concurrently (IRD): the receive thread answers
+/// Inbound reads and atomics we serve concurrently (IRD): the receive machine answers
 /// them in order, so the number only bounds what the peer may queue.
 pub(crate) const IRD: u16 = 64;
 /// Outbound reads and atomics we want in flight (ORD).

@@ -1,13 +1,14 @@
 //! The transmit path: messages cut into FPDUs and written to the socket in post order.
 //!
 //! Whoever posts writes straight to the socket when nothing is queued ahead (a non-blocking
-//! `send`, so a post never blocks); whatever the kernel does not take at once is queued for
-//! the endpoint's transmit thread, which sleeps on a condition variable when idle.
+//! `send`, so a post never blocks); whatever the kernel does not take at once is queued and
+//! written by whoever makes progress next, when the socket has room again (the progress
+//! engine: [`crate::engine`]). Nothing here blocks.
 
 use std::collections::VecDeque;
 use std::net::TcpStream;
 use std::os::fd::AsFd;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 
 use fabric_api::{send_gather, Buffer, IoPiece};
 
@@ -101,7 +102,7 @@ pub(crate) struct OutMsg {
     /// Send-queue sequence number to mark as sent once fully written.
     pub sent_seq: Option<u64>,
     /// A Read or Atomic Response: counts against the IRD we advertised until the
-    /// transmit thread takes it.
+    /// transmit queue starts writing it.
     pub inbound: bool,
 }
 
@@ -139,106 +140,78 @@ impl OutMsg {
         }
     }
 
-    /// Calls `f` once per FPDU with (mpa length + DDP header bytes, payload range, trailer).
-    fn for_each_fpdu(
-        &self,
-        max_seg: usize,
-        crc: bool,
-        mut f: impl FnMut(&[u8], usize, usize, &[u8]) -> std::io::Result<()>,
-    ) -> std::io::Result<()> {
+    /// The FPDU that carries payload bytes from `off`: its MPA length and DDP header, its
+    /// payload length, and its trailer (pad and CRC).
+    fn fpdu_at(&self, off: usize, max_seg: usize, crc: bool) -> Fpdu {
         let total = self.payload.len();
-        let mut off = 0;
+        let seg = (total - off).min(max_seg);
+        let last = off + seg == total;
+        let h = self.header(off, last);
         let mut head = Vec::with_capacity(2 + crate::wire::ddp::UNTAGGED_LEN);
-        loop {
-            let seg = (total - off).min(max_seg);
-            let last = off + seg == total;
-            let h = self.header(off, last);
-            head.clear();
-            head.extend_from_slice(&((h.len() + seg) as u16).to_be_bytes());
-            h.encode_into(&mut head);
-            let pad = mpa::pad_len(h.len() + seg);
-            let mut trailer = [0u8; 8];
-            let crc_val = if crc {
-                let mut c = crc32c::crc32c(&head);
-                self.payload
-                    .pieces(off, seg, &mut |s| c = crc32c::crc32c_append(c, s));
-                crc32c::crc32c_append(c, &[0u8; 3][..pad])
-            } else {
-                0
-            };
-            trailer[pad..pad + 4].copy_from_slice(&mpa::crc_bytes(crc_val));
-            f(&head, off, seg, &trailer[..pad + 4])?;
-            off += seg;
-            if last {
-                return Ok(());
-            }
+        head.extend_from_slice(&((h.len() + seg) as u16).to_be_bytes());
+        h.encode_into(&mut head);
+        let pad = mpa::pad_len(h.len() + seg);
+        let crc_val = if crc {
+            let mut c = crc32c::crc32c(&head);
+            self.payload
+                .pieces(off, seg, &mut |s| c = crc32c::crc32c_append(c, s));
+            crc32c::crc32c_append(c, &[0u8; 3][..pad])
+        } else {
+            0
+        };
+        let mut trailer = [0u8; 8];
+        trailer[pad..pad + 4].copy_from_slice(&mpa::crc_bytes(crc_val));
+        Fpdu {
+            head,
+            off,
+            seg,
+            trailer,
+            trailer_len: pad + 4,
+            last,
+            staged: None,
         }
     }
 
     /// Encodes the whole message into bytes (small messages, for the direct path).
     pub fn encode(&self, max_seg: usize, crc: bool) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.payload.len() + 32);
-        self.for_each_fpdu(max_seg, crc, |head, off, seg, trailer| {
-            out.extend_from_slice(head);
+        let mut off = 0;
+        loop {
+            let f = self.fpdu_at(off, max_seg, crc);
+            out.extend_from_slice(&f.head);
             self.payload
-                .pieces(off, seg, &mut |s| out.extend_from_slice(s));
-            out.extend_from_slice(trailer);
-            Ok(())
-        })
-        .expect("writing to a vector cannot fail");
-        out
-    }
-
-    /// Writes the message with blocking writes. Without CRC the kernel reads the payload
-    /// straight from registered memory (one gather list per FPDU); with CRC the FPDU's
-    /// payload is copied first, so the CRC covers exactly the bytes that are sent.
-    pub fn write_to(&self, sock: &TcpStream, max_seg: usize, crc: bool) -> std::io::Result<()> {
-        self.for_each_fpdu(max_seg, crc, |head, off, seg, trailer| {
-            let mut pieces = Vec::with_capacity(4);
-            pieces.push(IoPiece::Bytes(head));
-            let joined;
-            match &self.payload {
-                Payload::Inline(v) => pieces.push(IoPiece::Bytes(&v[off..off + seg])),
-                Payload::Memory(parts)
-                    if !crc && parts.len() < fabric_api::mem::MAX_IO_PIECES - 2 =>
-                {
-                    self.payload
-                        .for_each_range(off, seg, &mut |buffer, offset, len| {
-                            pieces.push(IoPiece::Buffer {
-                                buffer,
-                                offset,
-                                len,
-                            })
-                        });
-                }
-                Payload::Memory(_) => {
-                    let mut v = Vec::with_capacity(seg);
-                    self.payload
-                        .pieces(off, seg, &mut |s| v.extend_from_slice(s));
-                    joined = v;
-                    pieces.push(IoPiece::Bytes(&joined));
-                }
+                .pieces(off, f.seg, &mut |s| out.extend_from_slice(s));
+            out.extend_from_slice(&f.trailer[..f.trailer_len]);
+            off += f.seg;
+            if f.last {
+                return out;
             }
-            pieces.push(IoPiece::Bytes(trailer));
-            send_all(sock, &pieces)
-        })
-    }
-}
-
-/// Sends every piece with blocking `sendmsg` calls.
-fn send_all(sock: &TcpStream, pieces: &[IoPiece<'_>]) -> std::io::Result<()> {
-    let total: usize = pieces.iter().map(IoPiece::len).sum();
-    let mut sent = 0;
-    while sent < total {
-        match send_gather(sock.as_fd(), pieces, sent, 0)? {
-            0 => return Err(std::io::ErrorKind::WriteZero.into()),
-            n => sent += n,
         }
     }
-    Ok(())
 }
 
-/// Queued output: either a whole message or the unsent tail of a directly sent one.
+/// One FPDU of a queued message, being written.
+#[derive(Debug)]
+struct Fpdu {
+    head: Vec<u8>,
+    /// Payload offset of its first byte in the message.
+    off: usize,
+    seg: usize,
+    trailer: [u8; 8],
+    trailer_len: usize,
+    last: bool,
+    /// The payload copied out (with CRC, so the CRC covers exactly the bytes sent; and
+    /// for gather lists too long for one `sendmsg`).
+    staged: Option<Vec<u8>>,
+}
+
+impl Fpdu {
+    fn len(&self) -> usize {
+        self.head.len() + self.seg + self.trailer_len
+    }
+}
+
+/// A queued item: a message written FPDU by FPDU, or bytes already encoded.
 #[derive(Debug)]
 pub(crate) enum Queued {
     Msg(OutMsg),
@@ -255,26 +228,196 @@ impl Queued {
             Queued::Tail(_, _, inbound) => *inbound,
         }
     }
+
+    fn sent_seq(&self) -> Option<u64> {
+        match self {
+            Queued::Msg(m) => m.sent_seq,
+            Queued::Tail(_, seq, _) => *seq,
+        }
+    }
 }
 
-/// The transmit queue of one endpoint.
+/// The transmit queue of one endpoint: written by whoever makes progress (the posting
+/// thread, an application polling, the domain's progress thread), never blocking.
 #[derive(Debug, Default)]
 pub(crate) struct TxQueue {
     pub queue: VecDeque<Queued>,
-    /// The transmit thread is writing something it popped.
-    pub busy: bool,
-    /// No more output: the thread exits once the queue is empty.
+    /// The FPDU of the front message being written, and how many of its bytes are out.
+    current: Option<(Fpdu, usize)>,
+    /// Bytes of the front `Tail` already written.
+    tail_done: usize,
+    /// The front item has begun (its IRD count was released).
+    started: bool,
+    /// No more output.
     pub closed: bool,
-    /// Read and Atomic Responses queued and not yet taken by the transmit thread.
+    /// Read and Atomic Responses queued and not yet started.
     pub inbound: u32,
 }
 
-/// Shared transmit state: the queue and its condition variable.
+/// What a flush achieved.
 #[derive(Debug, Default)]
-pub(crate) struct Tx {
-    pub state: Mutex<TxQueue>,
-    pub wake: Condvar,
-    /// Signalled whenever the transmit thread takes an item (the receive thread waits on
-    /// it while the queue is over its bound).
-    pub drained: Condvar,
+pub(crate) struct Flushed {
+    /// Send-queue sequence numbers whose last byte went out.
+    pub sent: Vec<u64>,
+    /// The socket failed (the connection is over).
+    pub error: Option<std::io::Error>,
+}
+
+impl TxQueue {
+    /// True when nothing waits to be written.
+    pub fn is_idle(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// Drops everything queued (the connection is over).
+    pub fn clear(&mut self) {
+        self.queue.clear();
+        self.current = None;
+        self.tail_done = 0;
+        self.started = false;
+        self.inbound = 0;
+    }
+
+    /// Keeps only what the stream needs to end on an FPDU boundary (a graceful close): the
+    /// unwritten rest of an FPDU or encoded message already begun; everything else is
+    /// dropped (its operations are flushed by the caller).
+    pub fn cut_to_boundary(&mut self) {
+        let rest = match self.queue.front() {
+            // A tail at the front is the rest of a message the posting thread began
+            // writing itself: it always finishes.
+            Some(Queued::Tail(bytes, _, _)) => Some(bytes[self.tail_done..].to_vec()),
+            Some(Queued::Msg(m)) => match &self.current {
+                Some((f, written)) if *written > 0 => {
+                    let mut all = f.head.clone();
+                    match &f.staged {
+                        Some(v) => all.extend_from_slice(v),
+                        None => m
+                            .payload
+                            .pieces(f.off, f.seg, &mut |s| all.extend_from_slice(s)),
+                    }
+                    all.extend_from_slice(&f.trailer[..f.trailer_len]);
+                    Some(all[*written..].to_vec())
+                }
+                _ => None,
+            },
+            _ => None,
+        };
+        self.clear();
+        if let Some(rest) = rest {
+            self.queue.push_back(Queued::Tail(rest, None, false));
+            self.started = true;
+        }
+    }
+
+    /// Writes as much as the socket takes without blocking.
+    pub fn flush(&mut self, sock: &TcpStream, max_seg: usize, crc: bool) -> Flushed {
+        let mut done = Flushed::default();
+        loop {
+            let Some(front) = self.queue.front() else {
+                return done;
+            };
+            if !self.started {
+                self.started = true;
+                // Started now: by the time the peer has this response (and may ask
+                // again), it no longer counts against the IRD.
+                self.inbound -= u32::from(front.inbound());
+            }
+            let res = match front {
+                Queued::Tail(bytes, _, _) => {
+                    match send_gather(
+                        sock.as_fd(),
+                        &[IoPiece::Bytes(bytes)],
+                        self.tail_done,
+                        libc::MSG_DONTWAIT,
+                    ) {
+                        Ok(n) => {
+                            self.tail_done += n;
+                            Ok(self.tail_done == bytes.len())
+                        }
+                        Err(e) => Err(e),
+                    }
+                }
+                Queued::Msg(m) => {
+                    let (fpdu, written) = self
+                        .current
+                        .get_or_insert_with(|| (m.fpdu_at(0, max_seg, crc), 0));
+                    match write_fpdu(sock, m, fpdu, *written, crc) {
+                        Ok(n) => {
+                            *written += n;
+                            if *written < fpdu.len() {
+                                Ok(false)
+                            } else if fpdu.last {
+                                self.current = None;
+                                Ok(true)
+                            } else {
+                                let next = m.fpdu_at(fpdu.off + fpdu.seg, max_seg, crc);
+                                self.current = Some((next, 0));
+                                continue;
+                            }
+                        }
+                        Err(e) => Err(e),
+                    }
+                }
+            };
+            match res {
+                Ok(true) => {
+                    let item = self.queue.pop_front().expect("front exists");
+                    self.tail_done = 0;
+                    self.started = false;
+                    if let Some(seq) = item.sent_seq() {
+                        done.sent.push(seq);
+                    }
+                }
+                // The socket took less than offered: it is full; its writable edge brings
+                // us back.
+                Ok(false) => return done,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return done,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    done.error = Some(e);
+                    self.closed = true;
+                    self.clear();
+                    return done;
+                }
+            }
+        }
+    }
+}
+
+/// Writes what it can of `fpdu` (from byte `written` on) without blocking. Without CRC
+/// the kernel reads the payload straight from registered memory; with CRC it is staged
+/// once, so the CRC covers exactly the bytes that are sent.
+fn write_fpdu(
+    sock: &TcpStream,
+    m: &OutMsg,
+    fpdu: &mut Fpdu,
+    written: usize,
+    crc: bool,
+) -> std::io::Result<usize> {
+    let mut pieces = Vec::with_capacity(4);
+    pieces.push(IoPiece::Bytes(&fpdu.head));
+    match &m.payload {
+        Payload::Inline(v) => pieces.push(IoPiece::Bytes(&v[fpdu.off..fpdu.off + fpdu.seg])),
+        Payload::Memory(parts) if !crc && parts.len() < fabric_api::mem::MAX_IO_PIECES - 2 => {
+            m.payload
+                .for_each_range(fpdu.off, fpdu.seg, &mut |buffer, offset, len| {
+                    pieces.push(IoPiece::Buffer {
+                        buffer,
+                        offset,
+                        len,
+                    })
+                });
+        }
+        Payload::Memory(_) => {
+            let (off, seg) = (fpdu.off, fpdu.seg);
+            let staged = fpdu.staged.get_or_insert_with(|| {
+                let mut v = Vec::with_capacity(seg);
+                m.payload.pieces(off, seg, &mut |s| v.extend_from_slice(s));
+                v
+            });
+            pieces.push(IoPiece::Bytes(staged));
+        }
+    }
+    pieces.push(IoPiece::Bytes(&fpdu.trailer[..fpdu.trailer_len]));
+    send_gather(sock.as_fd(), &pieces, written, libc::MSG_DONTWAIT)
 }

@@ -783,7 +783,6 @@ fn connection_flood_does_not_lock_out_a_good_client() {
 // ----- framing --------------------------------------------------------------------------
 
 #[test]
-#[ignore = "provider bug: a stream that ends in the middle of an FPDU is treated as a graceful close (endpoint Disconnected, no Terminate) instead of an error"]
 fn truncated_fpdu_is_an_error() {
     let srv = server();
     let before = healthy(&srv);
@@ -1351,7 +1350,6 @@ fn msn_and_mo_out_of_sequence_are_terminated() {
 }
 
 #[test]
-#[ignore = "provider deviation: MSN and MO faults are terminated as LLP 'invalid FPDU' (2/0/0x03) and DDP version faults as RDMAP 'invalid version' (0/2/0x05), where RFC 5041 (and siw) name DDP: untagged 1/2/0x03 (MSN), 1/2/0x04 (MO), 1/2/0x06 and tagged 1/1/0x04 (DDP version)"]
 fn ddp_faults_carry_rfc_5041_codes() {
     let srv = server();
     let c = canaries(&srv.domain, 4096, ALL_ACCESS);
@@ -1668,7 +1666,6 @@ fn crc_errors_are_terminated() {
 }
 
 #[test]
-#[ignore = "provider bug: the CRC is checked only after the FPDU was handled, so a Send that fails its CRC completes its receive with Success (corrupted bytes delivered to the application), and a Write that fails its CRC is acknowledged (the initiator's write completes Success) before the Terminate"]
 fn a_message_failing_its_crc_is_never_completed() {
     let srv = server();
     let c = canaries(&srv.domain, 4096, ALL_ACCESS);

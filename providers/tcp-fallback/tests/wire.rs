@@ -411,14 +411,8 @@ fn bad_ddp_version_is_terminated_not_a_crash() {
     let mut bytes = fpdu(send(1, true, 0), b"x", false);
     bytes[2] = 0x42; // DDP version 2
     raw.write_all(&bytes).unwrap();
-    expect_terminate(
-        &mut raw,
-        Terminate {
-            layer: 0,
-            etype: 2,
-            ecode: 0x05,
-        },
-    );
+    // RFC 5041 section 7.2: DDP layer, untagged buffer error, invalid DDP version.
+    expect_terminate(&mut raw, fabric_tcp::wire::ddp::term::DDP_VERSION_UNTAGGED);
     wait_state(&ep, EndpointState::Error);
 }
 
@@ -448,7 +442,7 @@ fn wrong_msn_and_short_ulpdu_are_terminated() {
     let (_srv, ep, mut raw) = connected_raw(false);
     raw.write_all(&fpdu(send(7, true, 0), b"out of sequence", false))
         .unwrap();
-    expect_terminate(&mut raw, fabric_tcp::wire::ddp::term::FPDU);
+    expect_terminate(&mut raw, fabric_tcp::wire::ddp::term::INVALID_MSN);
     wait_state(&ep, EndpointState::Error);
 
     let (_srv, ep, mut raw) = connected_raw(false);

@@ -512,6 +512,42 @@ pub mod term {
         etype: 1,
         ecode: 0x01,
     };
+    /// DDP untagged: invalid MSN, out of range (RFC 5041 section 7.2).
+    pub const INVALID_MSN: Terminate = Terminate {
+        layer: 1,
+        etype: 2,
+        ecode: 0x03,
+    };
+    /// DDP untagged: invalid MO.
+    pub const INVALID_MO: Terminate = Terminate {
+        layer: 1,
+        etype: 2,
+        ecode: 0x04,
+    };
+    /// DDP untagged: invalid DDP version.
+    pub const DDP_VERSION_UNTAGGED: Terminate = Terminate {
+        layer: 1,
+        etype: 2,
+        ecode: 0x06,
+    };
+    /// DDP tagged: invalid DDP version.
+    pub const DDP_VERSION_TAGGED: Terminate = Terminate {
+        layer: 1,
+        etype: 1,
+        ecode: 0x04,
+    };
+    /// RDMAP remote operation: invalid RDMAP version.
+    pub const RDMAP_VERSION: Terminate = Terminate {
+        layer: 0,
+        etype: 2,
+        ecode: 0x05,
+    };
+    /// LLP (MPA): the stream was lost (it ended inside an FPDU).
+    pub const STREAM_LOST: Terminate = Terminate {
+        layer: 2,
+        etype: 0,
+        ecode: 0x01,
+    };
     /// LLP (MPA): CRC error.
     pub const CRC: Terminate = Terminate {
         layer: 2,

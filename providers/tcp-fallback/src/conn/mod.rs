@@ -1,0 +1,1125 @@
+//! One connection: send-queue bookkeeping, completions, errors and close. The receive
+//! state machine is in [`rx`], the transmit queue in [`crate::tx`], and what drives both
+//! (no thread per connection) in [`crate::engine`].
+//!
+//! Lock order: `rx` (the receive machine, try-locked) before `st` (this state) before `tx`
+//! (the transmit queue) before a completion queue's own lock. The transmit queue is never
+//! held while taking `st`.
+//!
+//! Completion order: send-queue requests complete in post order. Each one waits for its
+//! responses (a delivery ack per Send / Write / Immediate message when the peer acknowledges,
+//! the last Read Response segment, the Atomic Response) and for its bytes to leave; the
+//! target handles its stream in order, so responses arrive in request order.
+
+mod rx;
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use mio::Token;
+
+use fabric_api::pdata;
+use fabric_api::{
+    Access, AtomicOp, Buffer, Completion, EndpointState, Error, ErrorKind, Opcode, ProviderCode,
+    RecvWr, Result, SendFlags, SendOp, SendWr, Status,
+};
+
+use crate::cq::TcpCq;
+use crate::engine::Engine;
+use crate::keys::{random_u32, KeyTable};
+use crate::tx::{Kind, OutMsg, Payload, Queued, TxQueue};
+use crate::wire::ddp::{
+    self, atomic_op, opcode, qn, term, AtomicRequest, AtomicResponse, ReadRequest, Terminate,
+};
+use crate::wire::mpa::features;
+
+use rx::{violation, Rx, RxEnd};
+
+/// Bytes of unmatched incoming messages buffered per endpoint before the receive machine
+/// stops reading (TCP back-pressure then holds the sender: nothing is lost). A message
+/// larger than what is left waits, part-buffered, for a receive and is then placed into it
+/// directly, so one endpoint never buffers more than this (semantics.md section 8).
+pub(crate) const UNEXPECTED_LIMIT: usize = 8 << 20;
+
+/// What one buffered unexpected message costs against [`UNEXPECTED_LIMIT`] beyond its
+/// payload: a flood of zero-byte messages is bounded too.
+pub(crate) const UNEXPECTED_ENTRY_COST: usize = 64;
+
+/// Messages queued for transmission beyond which the receive machine stops reading
+/// from the peer: a peer that sends and never reads cannot grow our output (acks,
+/// responses) without bound; TCP back-pressure then holds it.
+pub(crate) const TX_QUEUE_LIMIT: usize = 4096;
+
+/// What the connection setup agreed on.
+#[derive(Debug, Clone)]
+pub(crate) struct Negotiated {
+    /// Extension features both peers speak ([`features`]).
+    pub features: u8,
+    /// CRC32c in use.
+    pub crc: bool,
+    /// Outstanding reads and atomics we may have in flight (min of our ORD, peer IRD).
+    pub ord: u32,
+    /// MPA revision in use.
+    pub revision: u8,
+    /// The peer's application private data.
+    pub peer_private: Vec<u8>,
+    /// Swallow the first zero-length Send (a peer-to-peer RTR).
+    pub expect_send_rtr: bool,
+    /// The credit area of a peer on this framework's iwarp provider (from its private-data
+    /// frame): a graceful close writes the close mark there first ([`pdata`]).
+    pub peer_area: Option<pdata::AreaDesc>,
+}
+
+impl Negotiated {
+    fn has(&self, f: u8) -> bool {
+        self.features & f != 0
+    }
+}
+
+/// What a send-queue request still waits for.
+#[derive(Debug)]
+enum Resp {
+    /// Delivery acks (or nothing, with a foreign peer).
+    Acks,
+    /// The last Read Response segment for this sink STag.
+    Read { sink: u32 },
+    /// The Atomic Response with this id, whose value lands at (buffer, offset).
+    Atomic {
+        req_id: u32,
+        result: Arc<Buffer>,
+        offset: usize,
+    },
+}
+
+#[derive(Debug)]
+struct Pending {
+    seq: u64,
+    context: u64,
+    opcode: Opcode,
+    signaled: bool,
+    /// Write acks still expected (Write messages are acknowledged when placed).
+    wait_write: u32,
+    /// Message acks still expected (Send and Immediate Data are acknowledged when they
+    /// land in a receive, which may be long after later writes were placed).
+    wait_msg: u32,
+    /// A Read or Atomic Response is still expected.
+    wait_resp: bool,
+    /// All bytes handed to the kernel.
+    sent: bool,
+    byte_len: u64,
+    resp: Resp,
+    error: Option<(ErrorKind, Option<ProviderCode>)>,
+    /// An RDMA Write's target (STag, tagged offset, length): what a foreign peer's
+    /// Terminate names when it refuses the write.
+    write_target: Option<(u32, u64, u64)>,
+}
+
+impl Pending {
+    fn done(&self) -> bool {
+        self.error.is_some()
+            || (self.wait_write == 0 && self.wait_msg == 0 && !self.wait_resp && self.sent)
+    }
+    fn is_read_like(&self) -> bool {
+        matches!(self.resp, Resp::Read { .. } | Resp::Atomic { .. })
+    }
+}
+
+type Sges = Vec<(Arc<Buffer>, usize, usize)>;
+
+#[derive(Debug)]
+struct PostedRecv {
+    context: u64,
+    sges: Sges,
+    total: usize,
+}
+
+#[derive(Debug)]
+enum Arrived {
+    Send { data: Vec<u8>, imm: Option<u32> },
+    WriteImm { imm: u32, len: u64 },
+}
+
+impl Arrived {
+    /// What the message costs against [`UNEXPECTED_LIMIT`].
+    fn cost(&self) -> usize {
+        UNEXPECTED_ENTRY_COST
+            + match self {
+                Arrived::Send { data, .. } => data.len(),
+                Arrived::WriteImm { .. } => 0,
+            }
+    }
+}
+
+/// A request held back by a fence or the ORD limit, with the messages that carry it.
+#[derive(Debug)]
+struct Gated {
+    msgs: Vec<OutMsg>,
+    read_like: bool,
+    fence: bool,
+}
+
+#[derive(Debug)]
+struct State {
+    status: EndpointState,
+    sq: VecDeque<Pending>,
+    backlog: VecDeque<Gated>,
+    /// Reads and atomics transmitted and not yet answered.
+    reads_out: u32,
+    read_sinks: HashMap<u32, Sges>,
+    rq: VecDeque<PostedRecv>,
+    /// The receive the current incoming message is being placed into: older than every
+    /// receive in `rq`, and flushed with them if the connection ends mid-message.
+    placing: Option<PostedRecv>,
+    unexpected: VecDeque<Arrived>,
+    unexpected_bytes: usize,
+    next_seq: u64,
+    msn: [u32; qn::COUNT],
+    next_req_id: u32,
+}
+
+/// The shared state of one connection.
+#[derive(Debug)]
+pub(crate) struct Conn {
+    pub domain_id: u64,
+    pub keys: Arc<KeyTable>,
+    pub sock: TcpStream,
+    pub local: SocketAddr,
+    pub peer: SocketAddr,
+    pub neg: Negotiated,
+    pub max_seg: usize,
+    pub send_cq: TcpCq,
+    pub recv_cq: TcpCq,
+    pub sq_depth: usize,
+    pub rq_depth: usize,
+    st: Mutex<State>,
+    tx: Mutex<TxQueue>,
+    /// The receive machine; whoever makes progress try-locks it.
+    rx: Mutex<Rx>,
+    /// More progress is wanted than the thread holding `rx` has done yet.
+    rx_pending: AtomicBool,
+    /// The receive machine stopped reading until a receive is posted or room frees up.
+    rx_blocked: AtomicBool,
+    /// The application closed the endpoint (not a failure): see [`Conn::shutdown`].
+    graceful: AtomicBool,
+    /// This connection's token in the poll sets.
+    token: Token,
+    /// The domain's engine (its poll set and progress thread).
+    engine: Arc<Engine>,
+}
+
+impl Conn {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        domain_id: u64,
+        keys: Arc<KeyTable>,
+        sock: TcpStream,
+        neg: Negotiated,
+        max_seg: usize,
+        send_cq: TcpCq,
+        recv_cq: TcpCq,
+        sq_depth: usize,
+        rq_depth: usize,
+        engine: Arc<Engine>,
+    ) -> io::Result<Arc<Conn>> {
+        let local = sock.local_addr()?;
+        let peer = sock.peer_addr()?;
+        sock.set_nonblocking(true)?;
+        let crc = neg.crc;
+        Ok(Arc::new(Conn {
+            domain_id,
+            keys,
+            sock,
+            local,
+            peer,
+            neg,
+            max_seg,
+            send_cq,
+            recv_cq,
+            sq_depth,
+            rq_depth,
+            st: Mutex::new(State {
+                status: EndpointState::Connected,
+                sq: VecDeque::new(),
+                backlog: VecDeque::new(),
+                reads_out: 0,
+                read_sinks: HashMap::new(),
+                rq: VecDeque::new(),
+                placing: None,
+                unexpected: VecDeque::new(),
+                unexpected_bytes: 0,
+                next_seq: 0,
+                msn: [1; qn::COUNT],
+                next_req_id: 1,
+            }),
+            tx: Mutex::new(TxQueue::default()),
+            rx: Mutex::new(Rx::new(crc)),
+            rx_pending: AtomicBool::new(false),
+            rx_blocked: AtomicBool::new(false),
+            graceful: AtomicBool::new(false),
+            token: crate::engine::next_token(),
+            engine,
+        }))
+    }
+
+    /// Puts the socket into the domain's and the completion queues' poll sets and starts
+    /// the domain's progress thread if it is not running; then makes progress once (bytes
+    /// may have arrived before the socket was watched).
+    pub fn start(self: &Arc<Self>) -> io::Result<()> {
+        self.engine.set.add(self.token, &self.sock, self)?;
+        self.send_cq.set().add(self.token, &self.sock, self)?;
+        self.recv_cq.set().add(self.token, &self.sock, self)?;
+        self.engine.ensure_thread()?;
+        self.progress();
+        Ok(())
+    }
+
+    /// Takes the socket out of every poll set (the endpoint is being dropped).
+    pub fn unwatch(&self) {
+        self.engine.set.remove(self.token, &self.sock);
+        self.send_cq.set().remove(self.token, &self.sock);
+        self.recv_cq.set().remove(self.token, &self.sock);
+    }
+
+    /// Makes progress: writes what the socket takes, then reads and handles what has
+    /// arrived, until the socket would block (or the receive side waits for room).
+    /// Serialised per connection without blocking: a caller that finds another thread at
+    /// work leaves it a note, and that thread goes round once more.
+    pub fn progress(&self) {
+        self.rx_pending.store(true, AtomicOrdering::SeqCst);
+        loop {
+            let Ok(mut rx) = self.rx.try_lock() else {
+                return;
+            };
+            while self.rx_pending.swap(false, AtomicOrdering::SeqCst) {
+                self.flush_tx();
+                self.rx_step(&mut rx);
+            }
+            drop(rx);
+            if !self.rx_pending.load(AtomicOrdering::SeqCst) {
+                return;
+            }
+        }
+    }
+
+    /// Writes what the socket takes of the transmit queue, then marks what went out.
+    fn flush_tx(&self) {
+        let mut tx = self.tx.lock().expect("tx poisoned");
+        if tx.is_idle() {
+            drop(tx);
+            return self.maybe_shutdown();
+        }
+        let done = tx.flush(&self.sock, self.max_seg, self.neg.crc);
+        drop(tx);
+        if let Some(e) = &done.error {
+            tracing::debug!(peer = %self.peer, "transmit failed: {e}");
+            self.shutdown();
+        }
+        if !done.sent.is_empty() {
+            let mut st = self.lock();
+            for seq in done.sent {
+                self.mark_sent(&mut st, seq);
+            }
+        }
+        self.maybe_shutdown();
+    }
+
+    /// Ends the stream. After a graceful local close only the write side shuts (the peer
+    /// sees the stream end on an FPDU boundary, and what it still sends is drained: Linux
+    /// answers data on a socket shut for reading with a reset, which can destroy output
+    /// the peer has not read yet). After a failure both sides shut: a peer that goes on
+    /// sending gets a reset.
+    fn shutdown(&self) {
+        let how = if self.graceful.load(AtomicOrdering::SeqCst) {
+            Shutdown::Write
+        } else {
+            Shutdown::Both
+        };
+        let _ = self.sock.shutdown(how);
+    }
+
+    /// Once the connection is over and its last output (a Terminate) is out, the socket
+    /// shuts down.
+    fn maybe_shutdown(&self) {
+        let tx = self.tx.lock().expect("tx poisoned");
+        if tx.closed && tx.is_idle() {
+            drop(tx);
+            self.shutdown();
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.st.lock().expect("endpoint state poisoned")
+    }
+
+    pub fn state(&self) -> EndpointState {
+        self.lock().status
+    }
+
+    fn check_connected(st: &State) -> Result<()> {
+        match st.status {
+            EndpointState::Connected => Ok(()),
+            EndpointState::Error => Err(Error::new(
+                ErrorKind::InvalidState,
+                "endpoint is in the error state",
+            )),
+            EndpointState::Disconnected => Err(Error::new(
+                ErrorKind::InvalidState,
+                "endpoint is disconnected",
+            )),
+        }
+    }
+
+    // ----- posting -----------------------------------------------------------------
+
+    fn gather(&self, sgl: &[fabric_api::Slice<'_>], need: Access) -> Result<(Sges, usize)> {
+        if sgl.len() > crate::MAX_SGE as usize {
+            return Err(Error::invalid(format!(
+                "{} gather entries exceed the maximum of {}",
+                sgl.len(),
+                crate::MAX_SGE
+            )));
+        }
+        let mut sges = Vec::with_capacity(sgl.len());
+        let mut total = 0usize;
+        for s in sgl {
+            let r = s.check_local(self.domain_id, need)?;
+            total += s.len();
+            sges.push((r.shared_buffer(), s.offset(), s.len()));
+        }
+        if total as u64 > crate::MAX_MSG_SIZE {
+            return Err(Error::invalid(format!(
+                "message of {total} bytes exceeds the maximum of {}",
+                crate::MAX_MSG_SIZE
+            )));
+        }
+        Ok((sges, total))
+    }
+
+    fn need_feature(&self, f: u8, what: &str) -> Result<()> {
+        if self.neg.has(f) {
+            Ok(())
+        } else {
+            Err(Error::unsupported(format!(
+                "{what} needs this framework's extension on both ends; the peer did not negotiate it (a foreign iWARP peer, or extensions disabled)"
+            )))
+        }
+    }
+
+    pub fn post_send(&self, wr: &SendWr<'_>) -> Result<()> {
+        let acks = self.neg.has(features::ACKS);
+        let inline = wr.flags.contains(SendFlags::INLINE);
+        let mut msgs = Vec::with_capacity(2);
+        let (wait_write, wait_msg, byte_len, resp_kind, read_like);
+        enum R {
+            Acks,
+            Read(Sges),
+            Atomic(Arc<Buffer>, usize),
+        }
+        let payload = |sges: Sges, total: usize| -> Result<Payload> {
+            if inline {
+                if total > crate::MAX_INLINE as usize {
+                    return Err(Error::invalid(format!(
+                        "inline payload of {total} bytes exceeds max inline {}",
+                        crate::MAX_INLINE
+                    )));
+                }
+                let mut v = Vec::with_capacity(total);
+                for (b, off, len) in &sges {
+                    let start = v.len();
+                    v.resize(start + len, 0);
+                    b.read(*off, &mut v[start..]);
+                }
+                Ok(Payload::Inline(v))
+            } else {
+                Ok(Payload::Memory(sges))
+            }
+        };
+        match wr.op {
+            SendOp::Send { sgl, imm } => {
+                if imm.is_some() {
+                    self.need_feature(features::IMMEDIATE, "send with immediate data")?;
+                }
+                let (sges, total) = self.gather(sgl, Access::empty())?;
+                let op = if imm.is_some() {
+                    opcode::SEND_IMM
+                } else {
+                    opcode::SEND
+                };
+                msgs.push(OutMsg {
+                    kind: Kind::Untagged {
+                        opcode: op,
+                        ulp: imm.unwrap_or(0),
+                        qn: qn::SEND,
+                        msn: 0,
+                    },
+                    payload: payload(sges, total)?,
+                    sent_seq: None,
+                    inbound: false,
+                });
+                (wait_write, wait_msg, byte_len, resp_kind, read_like) =
+                    (0, u32::from(acks), total as u64, R::Acks, false);
+            }
+            SendOp::Write { sgl, remote, imm } => {
+                if imm.is_some() {
+                    self.need_feature(features::IMMEDIATE, "write with immediate data")?;
+                }
+                let (sges, total) = self.gather(sgl, Access::empty())?;
+                msgs.push(OutMsg {
+                    kind: Kind::Tagged {
+                        opcode: opcode::WRITE,
+                        stag: remote.key,
+                        to: remote.addr,
+                    },
+                    payload: payload(sges, total)?,
+                    sent_seq: None,
+                    inbound: false,
+                });
+                if let Some(v) = imm {
+                    let mut p = vec![0u8; ddp::IMMEDIATE_LEN];
+                    p[..4].copy_from_slice(&v.to_be_bytes());
+                    msgs.push(OutMsg::control(
+                        Kind::Untagged {
+                            opcode: opcode::IMMEDIATE,
+                            ulp: 0,
+                            qn: qn::SEND,
+                            msn: 0,
+                        },
+                        p,
+                    ));
+                }
+                let imm_msgs = msgs.len() as u32 - 1;
+                (wait_write, wait_msg, byte_len, resp_kind, read_like) = (
+                    u32::from(acks),
+                    if acks { imm_msgs } else { 0 },
+                    total as u64,
+                    R::Acks,
+                    false,
+                );
+            }
+            SendOp::Read { sgl, remote } => {
+                let (sges, total) = self.gather(sgl, Access::LOCAL_WRITE)?;
+                if inline {
+                    return Err(Error::invalid("a read cannot be inline"));
+                }
+                (wait_write, wait_msg, byte_len, resp_kind, read_like) =
+                    (0, 0, total as u64, R::Read(sges), true);
+                msgs.push(read_request(total as u32, remote.key, remote.addr));
+            }
+            SendOp::Atomic { result, remote, op } => {
+                self.need_feature(features::ATOMICS, "64-bit atomics")?;
+                // Refused at post, as rxe refuses it (validate_send_wr: -EINVAL); the
+                // target still checks, for peers that do not.
+                if remote.addr % 8 != 0 {
+                    return Err(Error::invalid(format!(
+                        "atomic target {:#x} is not 8-byte aligned",
+                        remote.addr
+                    )));
+                }
+                if result.len() != 8 {
+                    return Err(Error::invalid(format!(
+                        "atomic result buffer must be 8 bytes, got {}",
+                        result.len()
+                    )));
+                }
+                let (sges, _) = self.gather(std::slice::from_ref(&result), Access::LOCAL_WRITE)?;
+                let (b, off, _) = sges.into_iter().next().expect("one entry");
+                let (code, add_swap, compare) = match op {
+                    AtomicOp::FetchAdd { add } => (atomic_op::FETCH_ADD, add, 0),
+                    AtomicOp::CompareSwap { compare, swap } => {
+                        (atomic_op::COMPARE_SWAP, swap, compare)
+                    }
+                };
+                msgs.push(OutMsg::control(
+                    Kind::Untagged {
+                        opcode: opcode::ATOMIC_REQUEST,
+                        ulp: 0,
+                        qn: qn::ATOMIC,
+                        msn: 0,
+                    },
+                    AtomicRequest {
+                        op: code,
+                        req_id: 0,
+                        stag: remote.key,
+                        to: remote.addr,
+                        add_swap,
+                        add_swap_mask: !0,
+                        compare,
+                        compare_mask: !0,
+                    }
+                    .encode()
+                    .to_vec(),
+                ));
+                (wait_write, wait_msg, byte_len, resp_kind, read_like) =
+                    (0, 0, 8, R::Atomic(b, off), true);
+            }
+        }
+        // A foreign peer sends no delivery acks. Base RDMAP still orders a Read Request
+        // after the Sends and Writes before it, so a zero-length Read right behind them comes
+        // back only once they were placed (or after the Terminate that refused them): the
+        // request completes with that response. siw answers zero-length Reads without
+        // checking any STag (siw_qp_rx.c, siw_init_rresp: no SGE when the length is 0).
+        let (resp_kind, read_like) = match resp_kind {
+            R::Acks if !acks => {
+                msgs.push(read_request(0, 0, 0));
+                (R::Read(Vec::new()), true)
+            }
+            other => (other, read_like),
+        };
+
+        let mut st = self.lock();
+        Self::check_connected(&st)?;
+        if st.sq.len() >= self.sq_depth {
+            return Err(Error::new(
+                ErrorKind::QueueFull,
+                format!("send queue of depth {} is full", self.sq_depth),
+            ));
+        }
+        self.send_cq.reserve()?;
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        let resp = match resp_kind {
+            R::Acks => Resp::Acks,
+            R::Read(sges) => {
+                let sink = loop {
+                    let s = random_u32();
+                    if s != 0 && !st.read_sinks.contains_key(&s) {
+                        break s;
+                    }
+                };
+                st.read_sinks.insert(sink, sges);
+                // The Read Request is the request's last message.
+                let body = match &mut msgs.last_mut().expect("a read request").payload {
+                    Payload::Inline(v) => v,
+                    Payload::Memory(_) => unreachable!("read requests are inline"),
+                };
+                body[..4].copy_from_slice(&sink.to_be_bytes());
+                Resp::Read { sink }
+            }
+            R::Atomic(result, offset) => {
+                let req_id = st.next_req_id;
+                st.next_req_id = st.next_req_id.wrapping_add(1);
+                if let Payload::Inline(v) = &mut msgs[0].payload {
+                    v[4..8].copy_from_slice(&req_id.to_be_bytes());
+                }
+                Resp::Atomic {
+                    req_id,
+                    result,
+                    offset,
+                }
+            }
+        };
+        let write_target = match msgs.first() {
+            Some(OutMsg {
+                kind:
+                    Kind::Tagged {
+                        opcode: opcode::WRITE,
+                        stag,
+                        to,
+                    },
+                payload,
+                ..
+            }) => Some((*stag, *to, payload.len() as u64)),
+            _ => None,
+        };
+        msgs.last_mut().expect("at least one message").sent_seq = Some(seq);
+        st.sq.push_back(Pending {
+            seq,
+            context: wr.context,
+            opcode: wr.opcode(),
+            signaled: wr.flags.contains(SendFlags::SIGNALED),
+            wait_write,
+            wait_msg,
+            wait_resp: read_like,
+            sent: false,
+            byte_len,
+            resp,
+            error: None,
+            write_target,
+        });
+        let gated = Gated {
+            msgs,
+            read_like,
+            fence: wr.flags.contains(SendFlags::FENCE),
+        };
+        if st.backlog.is_empty() && self.may_start(&st, &gated) {
+            self.start_gated(&mut st, gated);
+        } else {
+            st.backlog.push_back(gated);
+        }
+        Ok(())
+    }
+
+    fn may_start(&self, st: &State, g: &Gated) -> bool {
+        !(g.fence && st.reads_out > 0 || g.read_like && st.reads_out >= self.neg.ord)
+    }
+
+    fn start_gated(&self, st: &mut State, g: Gated) {
+        if g.read_like {
+            st.reads_out += 1;
+        }
+        for m in g.msgs {
+            self.transmit(st, m);
+        }
+    }
+
+    fn release_backlog(&self, st: &mut State) {
+        while let Some(g) = st.backlog.front() {
+            if !self.may_start(st, g) {
+                break;
+            }
+            let g = st.backlog.pop_front().expect("front exists");
+            self.start_gated(st, g);
+        }
+    }
+
+    pub fn post_recv(&self, wr: &RecvWr<'_>) -> Result<()> {
+        let (sges, total) = self.gather(wr.sgl, Access::LOCAL_WRITE)?;
+        let mut st = self.lock();
+        Self::check_connected(&st)?;
+        if st.rq.len() >= self.rq_depth {
+            return Err(Error::new(
+                ErrorKind::QueueFull,
+                format!("receive queue of depth {} is full", self.rq_depth),
+            ));
+        }
+        self.recv_cq.reserve()?;
+        let recv = PostedRecv {
+            context: wr.context,
+            sges,
+            total,
+        };
+        if let Some(arrived) = st.unexpected.pop_front() {
+            st.unexpected_bytes -= arrived.cost();
+            self.deliver_buffered(&mut st, recv, arrived);
+        } else {
+            st.rq.push_back(recv);
+        }
+        drop(st);
+        // The receive machine may be waiting for a receive or for room (back-pressure).
+        if self.rx_blocked.load(AtomicOrdering::SeqCst) {
+            self.progress();
+        }
+        Ok(())
+    }
+
+    /// Delivers a message that arrived before its receive was posted.
+    fn deliver_buffered(&self, st: &mut State, recv: PostedRecv, arrived: Arrived) {
+        match arrived {
+            Arrived::Send { data, imm } => {
+                if data.len() > recv.total {
+                    self.message_too_long(st, recv, data.len());
+                    return;
+                }
+                scatter(&recv.sges, 0, &data);
+                self.complete_recv(st, recv.context, Opcode::Recv, data.len() as u64, imm);
+            }
+            Arrived::WriteImm { imm, len } => {
+                self.complete_recv(st, recv.context, Opcode::RecvWriteWithImm, len, Some(imm))
+            }
+        }
+    }
+
+    fn complete_recv(
+        &self,
+        st: &mut State,
+        context: u64,
+        opcode: Opcode,
+        byte_len: u64,
+        imm: Option<u32>,
+    ) {
+        self.recv_cq.push(Completion {
+            context,
+            opcode,
+            status: Status::Success,
+            provider_code: None,
+            byte_len,
+            imm,
+        });
+        if self.neg.has(features::ACKS) {
+            self.send_ack(st, ddp::ACK_MESSAGES | 1);
+        }
+    }
+
+    /// A message longer than its receive: the receive completes LocalLength, the sender is
+    /// told (Terminate, DDP "message too long", RemoteInvalidRequest there), both ends fail.
+    fn message_too_long(&self, st: &mut State, recv: PostedRecv, len: usize) {
+        tracing::debug!(
+            len,
+            room = recv.total,
+            "message longer than the matched receive"
+        );
+        self.recv_cq.push(Completion {
+            context: recv.context,
+            opcode: Opcode::Recv,
+            status: Status::Error(ErrorKind::LocalLength),
+            provider_code: Some(term::MSG_TOO_LONG.code()),
+            byte_len: len as u64,
+            imm: None,
+        });
+        self.send_terminate(st, term::MSG_TOO_LONG);
+        self.enter_error(st, None, EndpointState::Error);
+    }
+
+    // ----- transmit ------------------------------------------------------------------
+
+    /// Assigns the MSN and hands the message to the socket, or queues it behind others.
+    fn transmit(&self, st: &mut State, mut m: OutMsg) {
+        if let Kind::Untagged { qn, msn, .. } = &mut m.kind {
+            *msn = st.msn[*qn as usize];
+            st.msn[*qn as usize] = msn.wrapping_add(1);
+        }
+        let mut tx = self.tx.lock().expect("tx poisoned");
+        if tx.closed {
+            return;
+        }
+        if tx.is_idle() && m.payload.len() <= DIRECT_LIMIT {
+            let bytes = m.encode(self.max_seg, self.neg.crc);
+            let n = match socket2::SockRef::from(&self.sock)
+                .send_with_flags(&bytes, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+            {
+                Ok(n) => n,
+                Err(e)
+                    if e.kind() == io::ErrorKind::WouldBlock
+                        || e.kind() == io::ErrorKind::Interrupted =>
+                {
+                    0
+                }
+                Err(e) => {
+                    tracing::debug!(peer = %self.peer, "send failed: {e}");
+                    0 // the receive side sees the broken stream and fails the endpoint
+                }
+            };
+            if n == bytes.len() {
+                drop(tx);
+                if let Some(seq) = m.sent_seq {
+                    self.mark_sent(st, seq);
+                }
+                return;
+            }
+            tx.inbound += u32::from(m.inbound);
+            tx.queue
+                .push_back(Queued::Tail(bytes[n..].to_vec(), m.sent_seq, m.inbound));
+            // The socket is full: its writable edge brings progress back.
+            return;
+        }
+        tx.inbound += u32::from(m.inbound);
+        tx.queue.push_back(Queued::Msg(m));
+        if tx.queue.len() > 1 {
+            return; // behind others: whoever flushes them goes on with it
+        }
+        // Alone in the queue (a large message): start it now, without blocking.
+        let done = tx.flush(&self.sock, self.max_seg, self.neg.crc);
+        drop(tx);
+        if let Some(e) = &done.error {
+            tracing::debug!(peer = %self.peer, "transmit failed: {e}");
+            self.shutdown();
+        }
+        for seq in done.sent {
+            self.mark_sent(st, seq);
+        }
+    }
+
+    /// Acknowledges `ulp & ACK_COUNT` placed messages: writes, or (with [`ddp::ACK_MESSAGES`])
+    /// sends and immediate data that landed in receives.
+    fn send_ack(&self, st: &mut State, ulp: u32) {
+        self.transmit(
+            st,
+            OutMsg::control(
+                Kind::Untagged {
+                    opcode: opcode::ACK,
+                    ulp,
+                    qn: qn::ACK,
+                    msn: 0,
+                },
+                Vec::new(),
+            ),
+        );
+    }
+
+    fn send_terminate(&self, st: &mut State, t: Terminate) {
+        self.transmit(
+            st,
+            OutMsg::control(
+                Kind::Untagged {
+                    opcode: opcode::TERMINATE,
+                    ulp: 0,
+                    qn: qn::TERMINATE,
+                    msn: 0,
+                },
+                t.encode().to_vec(),
+            ),
+        );
+    }
+
+    fn mark_sent(&self, st: &mut State, seq: u64) {
+        if let Some(p) = st.sq.iter_mut().find(|p| p.seq == seq) {
+            p.sent = true;
+        }
+        self.drain_sq(st);
+    }
+
+    /// Stops output: with `flush`, what is queued (a Terminate, a close mark) still goes
+    /// out as the socket takes it, and the socket shuts down after; without, at once.
+    fn close_tx(&self, flush: bool) {
+        let mut tx = self.tx.lock().expect("tx poisoned");
+        tx.closed = true;
+        if !flush {
+            tx.clear();
+        }
+        drop(tx);
+        if flush {
+            self.flush_tx();
+        } else {
+            self.shutdown();
+        }
+    }
+
+    // ----- completion and errors -------------------------------------------------------
+
+    fn drain_sq(&self, st: &mut State) {
+        while st.sq.front().is_some_and(Pending::done) {
+            let p = st.sq.pop_front().expect("front exists");
+            match p.error {
+                None if !p.signaled => self.send_cq.unreserve(),
+                None => self.send_cq.push(Completion {
+                    context: p.context,
+                    opcode: p.opcode,
+                    status: Status::Success,
+                    provider_code: None,
+                    byte_len: p.byte_len,
+                    imm: None,
+                }),
+                Some((kind, code)) => self.send_cq.push(Completion {
+                    context: p.context,
+                    opcode: p.opcode,
+                    status: Status::Error(kind),
+                    provider_code: code,
+                    byte_len: 0,
+                    imm: None,
+                }),
+            }
+        }
+    }
+
+    /// Enters the error (or disconnected) state: the first unfinished request gets `head`,
+    /// every other outstanding request and receive completes Flushed.
+    fn enter_error(
+        &self,
+        st: &mut State,
+        head: Option<(ErrorKind, Option<ProviderCode>)>,
+        status: EndpointState,
+    ) {
+        if st.status != EndpointState::Connected {
+            return;
+        }
+        st.status = status;
+        let mut head = head;
+        for p in st.sq.iter_mut().filter(|p| !p.done()) {
+            p.error = Some(head.take().unwrap_or((ErrorKind::Flushed, None)));
+        }
+        st.backlog.clear();
+        st.read_sinks.clear();
+        self.drain_sq(st);
+        let placing = st.placing.take();
+        for r in placing.into_iter().chain(st.rq.drain(..)) {
+            self.recv_cq.push(Completion {
+                context: r.context,
+                opcode: Opcode::Recv,
+                status: Status::Error(ErrorKind::Flushed),
+                provider_code: None,
+                byte_len: 0,
+                imm: None,
+            });
+        }
+        st.unexpected.clear();
+        st.unexpected_bytes = 0;
+    }
+
+    /// A foreign peer's Terminate named the RDMA Write it refused (its STag and tagged
+    /// offset): that write takes the error, and the Sends and Writes posted before it were
+    /// placed (the peer processes its stream in order) even where their confirming
+    /// zero-length Read never came back: siw may send its Terminate ahead of Read Responses
+    /// it still owes. Reads and atomics before it stay unfinished (their responses will
+    /// not come) and are flushed. Returns whether a write matched; without a match nothing
+    /// changes.
+    fn blame_write(
+        st: &mut State,
+        stag: u32,
+        to: u64,
+        head: (ErrorKind, Option<ProviderCode>),
+    ) -> bool {
+        let hit = st.sq.iter().position(|p| {
+            !p.done()
+                && p.write_target
+                    .is_some_and(|(s, base, len)| s == stag && to >= base && to - base < len.max(1))
+        });
+        let Some(i) = hit else { return false };
+        for p in st.sq.iter_mut().take(i).filter(|p| !p.done()) {
+            if matches!(p.opcode, Opcode::Send | Opcode::Write) {
+                p.sent = true;
+                p.wait_write = 0;
+                p.wait_msg = 0;
+                p.wait_resp = false;
+            }
+        }
+        st.sq[i].error = Some(head);
+        true
+    }
+
+    /// Local graceful close. Against this framework's iwarp provider the close mark goes
+    /// into the peer's credit area first: iWARP gives the peer the same signal for a close
+    /// and a failure, and the mark is how it tells them apart.
+    pub fn close(&self) {
+        let mut st = self.lock();
+        if st.status == EndpointState::Connected {
+            self.graceful.store(true, AtomicOrdering::SeqCst);
+        }
+        let mark = (st.status == EndpointState::Connected)
+            .then_some(self.neg.peer_area)
+            .flatten();
+        self.enter_error(&mut st, None, EndpointState::Disconnected);
+        // Nothing more is sent but the rest of an FPDU already begun: the peer sees the
+        // stream end on a boundary (a cut FPDU is an error there, not a close).
+        {
+            let mut tx = self.tx.lock().expect("tx poisoned");
+            if !tx.closed {
+                tx.cut_to_boundary();
+            }
+        }
+        if let Some(area) = mark {
+            self.transmit(
+                &mut st,
+                OutMsg::control(
+                    Kind::Tagged {
+                        opcode: opcode::WRITE,
+                        stag: area.stag,
+                        to: area.addr + pdata::area::CLOSED as u64,
+                    },
+                    1u64.to_ne_bytes().to_vec(),
+                ),
+            );
+        }
+        drop(st);
+        self.close_tx(true);
+        // Bounded: a peer that stops reading must not hold up the close.
+        let deadline = Instant::now() + CLOSE_MARK_WAIT;
+        while !self.tx.lock().expect("tx poisoned").is_idle() {
+            if Instant::now() >= deadline {
+                tracing::debug!(peer = %self.peer, "last output not written within {CLOSE_MARK_WAIT:?}");
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+            self.flush_tx();
+        }
+        // The stream ends on an FPDU boundary; what the peer still sends is drained and
+        // dropped by the receive machine (see `maybe_shutdown`) while this endpoint lives.
+        self.shutdown();
+    }
+
+    /// Credits a response to the oldest request waiting for one of its kind. Each kind
+    /// arrives in request order (writes are placed in order, receives are matched in order,
+    /// reads and atomics are answered in order), but kinds may overtake one another: a
+    /// write is placed while an earlier send waits for a receive.
+    fn response_unit(&self, st: &mut State, unit: Unit) -> std::result::Result<(), RxEnd> {
+        let found =
+            st.sq
+                .iter_mut()
+                .filter(|p| p.error.is_none())
+                .find(|p| match (&unit, &p.resp) {
+                    (Unit::WriteAck, _) => p.wait_write > 0,
+                    (Unit::MessageAck, _) => p.wait_msg > 0,
+                    (Unit::ReadDone(_), Resp::Read { .. })
+                    | (Unit::Atomic(_), Resp::Atomic { .. }) => p.wait_resp,
+                    _ => false,
+                });
+        let Some(p) = found else {
+            return Err(violation(
+                term::INVALID_OPCODE,
+                format!("{unit:?} with no request waiting for it"),
+            ));
+        };
+        match (&unit, &p.resp) {
+            (Unit::WriteAck, _) => p.wait_write -= 1,
+            (Unit::MessageAck, _) => p.wait_msg -= 1,
+            (Unit::ReadDone(s), Resp::Read { sink }) if s == sink => p.wait_resp = false,
+            (
+                Unit::Atomic(a),
+                Resp::Atomic {
+                    req_id,
+                    result,
+                    offset,
+                },
+            ) if *req_id == a.req_id => {
+                result.write(*offset, &a.original.to_ne_bytes());
+                p.wait_resp = false;
+            }
+            _ => {
+                return Err(violation(
+                    term::INVALID_OPCODE,
+                    format!("{unit:?} does not answer the oldest outstanding request of its kind"),
+                ))
+            }
+        }
+        if p.is_read_like() && !p.wait_resp {
+            st.reads_out -= 1;
+            self.release_backlog(st);
+        }
+        self.drain_sq(st);
+        Ok(())
+    }
+}
+
+/// A Read Request of `size` bytes at (`stag`, `to`); the sink STag is filled in at post time.
+fn read_request(size: u32, stag: u32, to: u64) -> OutMsg {
+    OutMsg::control(
+        Kind::Untagged {
+            opcode: opcode::READ_REQUEST,
+            ulp: 0,
+            qn: qn::READ,
+            msn: 0,
+        },
+        ReadRequest {
+            sink_stag: 0,
+            sink_to: 0,
+            size,
+            src_stag: stag,
+            src_to: to,
+        }
+        .encode()
+        .to_vec(),
+    )
+}
+
+/// Largest message the posting thread encodes and sends itself.
+const DIRECT_LIMIT: usize = 16 << 10;
+
+/// How long a graceful close waits for its close mark to reach the socket.
+const CLOSE_MARK_WAIT: Duration = Duration::from_millis(200);
+
+#[derive(Debug, Clone, Copy)]
+enum Unit {
+    WriteAck,
+    MessageAck,
+    ReadDone(u32),
+    Atomic(AtomicResponse),
+}
+
+fn scatter(sges: &Sges, mut at: usize, mut data: &[u8]) {
+    for (b, off, len) in sges {
+        if data.is_empty() {
+            break;
+        }
+        if at >= *len {
+            at -= len;
+            continue;
+        }
+        let take = (len - at).min(data.len());
+        b.write(off + at, &data[..take]);
+        data = &data[take..];
+        at = 0;
+    }
+}

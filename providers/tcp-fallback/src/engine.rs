@@ -1,0 +1,218 @@
+//! The progress engine: no thread per connection.
+//!
+//! Every socket is non-blocking and sits in two `epoll` sets (through `mio`), both
+//! edge-triggered:
+//!
+//! * the **domain's**, where one progress thread per domain (progress mode `auto`, the
+//!   default) sleeps in `epoll_wait` and never spins. It keeps one-sided operations and
+//!   emulated atomics completing while the target application never polls
+//!   (semantics.md section 4);
+//! * the **completion queue's**, which the application drives itself: `poll` runs a
+//!   zero-timeout `epoll_wait` and makes progress on whatever is ready, and `wait` sleeps in
+//!   it, so a waiting application is woken by the socket directly, with no hand-off.
+//!
+//! Whoever sees a connection ready calls [`Conn::progress`](crate::conn::Conn::progress),
+//! which is serialised per connection with a try-lock and a "more to do" flag: a second
+//! caller never waits, and no readiness is lost. Posting threads write straight to the
+//! socket when it has room. In progress mode `manual` there is no thread: progress happens
+//! only inside the application's `poll` and `wait` (and posts), as with libfabric's
+//! `FI_PROGRESS_MANUAL`.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Registry, Token, Waker};
+
+use crate::conn::Conn;
+
+/// The waker's token in every poll set; connection tokens start above it.
+pub(crate) const WAKER: Token = Token(0);
+
+static NEXT_TOKEN: AtomicUsize = AtomicUsize::new(1);
+
+/// A process-unique token for a new connection.
+pub(crate) fn next_token() -> Token {
+    Token(NEXT_TOKEN.fetch_add(1, Ordering::Relaxed))
+}
+
+/// How progress is made (configuration: `[tcp] progress`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ProgressMode {
+    /// One progress thread per domain, sleeping in `epoll_wait`, plus the application's
+    /// own `poll` and `wait`.
+    #[default]
+    Auto,
+    /// Only the application's `poll`, `wait` and posts make progress: one-sided operations
+    /// at a target complete only while its application polls.
+    Manual,
+}
+
+/// A set of connections watched by one `epoll` instance, with a waker.
+#[derive(Debug)]
+pub(crate) struct PollSet {
+    poll: Mutex<Poll>,
+    registry: Registry,
+    waker: Waker,
+    conns: Mutex<HashMap<Token, Weak<Conn>>>,
+    /// Threads inside `epoll_wait` on this set (wake them when something else completes).
+    pub sleepers: AtomicUsize,
+}
+
+impl PollSet {
+    pub fn new() -> io::Result<PollSet> {
+        let poll = Poll::new()?;
+        let registry = poll.registry().try_clone()?;
+        let waker = Waker::new(&registry, WAKER)?;
+        Ok(PollSet {
+            poll: Mutex::new(poll),
+            registry,
+            waker,
+            conns: Mutex::new(HashMap::new()),
+            sleepers: AtomicUsize::new(0),
+        })
+    }
+
+    /// Watches `conn`'s socket for input and output readiness.
+    pub fn add(&self, token: Token, sock: &TcpStream, conn: &Arc<Conn>) -> io::Result<()> {
+        let mut conns = self.conns.lock().expect("poll set poisoned");
+        if conns.contains_key(&token) {
+            return Ok(()); // the same queue for sends and receives
+        }
+        self.registry.register(
+            &mut SourceFd(&sock.as_raw_fd()),
+            token,
+            Interest::READABLE | Interest::WRITABLE,
+        )?;
+        conns.insert(token, Arc::downgrade(conn));
+        Ok(())
+    }
+
+    /// Stops watching a connection.
+    pub fn remove(&self, token: Token, sock: &TcpStream) {
+        let mut conns = self.conns.lock().expect("poll set poisoned");
+        if conns.remove(&token).is_some() {
+            let _ = self.registry.deregister(&mut SourceFd(&sock.as_raw_fd()));
+        }
+    }
+
+    /// Wakes a thread sleeping in this set (call after making the change it waits for).
+    pub fn wake(&self) {
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            let _ = self.waker.wake();
+        }
+    }
+
+    /// Looks for readiness without waiting and makes progress on every ready connection;
+    /// does nothing when another thread is polling this set (it does the work).
+    pub fn run_now(&self) {
+        if let Ok(mut poll) = self.poll.try_lock() {
+            self.dispatch(&mut poll, Some(Duration::ZERO));
+        }
+    }
+
+    /// Sleeps in `epoll_wait` up to `timeout` (`None`: until something happens) unless
+    /// `done()` already holds, then makes progress on every ready connection. `done` is
+    /// checked after this thread counts as a sleeper, so a [`wake`](Self::wake) that
+    /// follows a change `done` looks at is never lost.
+    pub fn run_unless(&self, timeout: Option<Duration>, done: impl Fn() -> bool) {
+        let mut poll = self.poll.lock().expect("poll set poisoned");
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        if done() {
+            self.sleepers.fetch_sub(1, Ordering::SeqCst);
+            return;
+        }
+        self.dispatch(&mut poll, timeout);
+    }
+
+    fn dispatch(&self, poll: &mut std::sync::MutexGuard<'_, Poll>, timeout: Option<Duration>) {
+        let mut events = Events::with_capacity(64);
+        let res = poll.poll(&mut events, timeout);
+        if timeout != Some(Duration::ZERO) {
+            self.sleepers.fetch_sub(1, Ordering::SeqCst);
+        }
+        if let Err(e) = res {
+            if e.kind() != io::ErrorKind::Interrupted {
+                tracing::error!("epoll_wait failed: {e}");
+            }
+            return;
+        }
+        let ready: Vec<Arc<Conn>> = {
+            let conns = self.conns.lock().expect("poll set poisoned");
+            events
+                .iter()
+                .filter(|e| e.token() != WAKER)
+                .filter_map(|e| conns.get(&e.token()).and_then(Weak::upgrade))
+                .collect()
+        };
+        // Progress runs with the poll set unlocked? No: the set stays locked so that only
+        // one thread sleeps in it at a time; progress itself never blocks.
+        for c in ready {
+            c.progress();
+        }
+    }
+}
+
+/// A domain's engine: its poll set and, in `auto` mode, its progress thread.
+#[derive(Debug)]
+pub(crate) struct Engine {
+    pub mode: ProgressMode,
+    pub set: Arc<PollSet>,
+    stop: Arc<AtomicBool>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Engine {
+    pub fn new(mode: ProgressMode) -> io::Result<Engine> {
+        Ok(Engine {
+            mode,
+            set: Arc::new(PollSet::new()?),
+            stop: Arc::new(AtomicBool::new(false)),
+            thread: Mutex::new(None),
+        })
+    }
+
+    /// Starts the progress thread (auto mode) if it is not running: on the first endpoint,
+    /// so a domain that never connects costs no thread.
+    pub fn ensure_thread(&self) -> io::Result<()> {
+        if self.mode == ProgressMode::Manual {
+            return Ok(());
+        }
+        let mut t = self.thread.lock().expect("engine poisoned");
+        if t.is_some() {
+            return Ok(());
+        }
+        let set = self.set.clone();
+        let stop = self.stop.clone();
+        *t = Some(
+            std::thread::Builder::new()
+                .name("fabric-tcp-progress".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Acquire) {
+                        set.run_unless(None, || stop.load(Ordering::Acquire));
+                    }
+                })?,
+        );
+        Ok(())
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        self.set.wake();
+        if let Some(t) = self.thread.lock().expect("engine poisoned").take() {
+            // The last endpoint can be dropped by the progress thread itself (it held the
+            // last reference while making progress): it then exits on its own.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! The progress engine: threads do not grow with endpoints, and in manual mode progress
+//! happens only where the application polls.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fabric_api::spi::{CompletionQueue, Domain, Endpoint, EndpointConfig, Listener};
+use fabric_api::{Access, Buffer, SendWr, Status};
+use fabric_tcp::{ProgressMode, TcpCq, TcpDomain, TcpEndpoint, TcpOptions};
+
+/// Thread counts are per process: the tests of this file take turns.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").unwrap().count()
+}
+
+fn connect(
+    domain: &TcpDomain,
+    cq_a: &TcpCq,
+    cq_b: &TcpCq,
+    n: usize,
+) -> Vec<(TcpEndpoint, TcpEndpoint)> {
+    let listener = domain.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = listener.local_addr();
+    (0..n)
+        .map(|_| {
+            std::thread::scope(|s| {
+                let t = s.spawn(|| {
+                    listener
+                        .accept(&EndpointConfig::new(cq_b), Duration::from_secs(10))
+                        .unwrap()
+                });
+                let a = domain.connect(addr, &EndpointConfig::new(cq_a)).unwrap();
+                (a, t.join().unwrap())
+            })
+        })
+        .collect()
+}
+
+/// No thread per connection: 64 connected pairs (128 endpoints) in one domain add the
+/// domain's progress thread and the listener's thread, nothing per endpoint.
+#[test]
+fn threads_do_not_grow_with_endpoints() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let domain = TcpDomain::open(TcpOptions::default()).unwrap();
+    let cq_a = domain.create_cq(1024).unwrap();
+    let cq_b = domain.create_cq(1024).unwrap();
+    let before = threads();
+    let pairs = connect(&domain, &cq_a, &cq_b, 64);
+    let after = threads();
+    assert!(
+        after <= before + 2,
+        "{} threads for {} endpoints (was {before})",
+        after,
+        pairs.len() * 2
+    );
+    // And they all work: one write each, completed.
+    let src = domain
+        .register(Arc::new(Buffer::new(64)), Access::empty())
+        .unwrap();
+    let dst = domain
+        .register(
+            Arc::new(Buffer::new(64 * 64)),
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        )
+        .unwrap();
+    for (i, (a, _)) in pairs.iter().enumerate() {
+        src.buffer().write(0, &[i as u8; 64]);
+        a.post_send(&SendWr::write(
+            i as u64,
+            &[src.all()],
+            dst.desc().at(64 * i as u64),
+        ))
+        .unwrap();
+        let mut out = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while cq_a.poll(&mut out, 1).unwrap() == 0 {
+            assert!(Instant::now() < deadline, "write {i} did not complete");
+            cq_a.wait(Duration::from_millis(100)).unwrap();
+        }
+        assert_eq!((out[0].context, out[0].status), (i as u64, Status::Success));
+        assert_eq!(dst.buffer().to_vec(64 * i, 64), vec![i as u8; 64]);
+    }
+}
+
+/// Manual progress: a write to a target whose application never polls is not placed (the
+/// target has no progress thread); once the target polls, it is.
+#[test]
+fn manual_progress_happens_only_where_the_application_polls() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let opts = TcpOptions {
+        progress: ProgressMode::Manual,
+        ..TcpOptions::default()
+    };
+    let domain = TcpDomain::open(opts).unwrap();
+    let cq_a = domain.create_cq(16).unwrap();
+    let cq_b = domain.create_cq(16).unwrap();
+    let before = threads();
+    let mut pairs = connect(&domain, &cq_a, &cq_b, 1);
+    assert!(
+        threads() <= before + 1,
+        "manual mode started a progress thread"
+    );
+    let (a, _b) = pairs.pop().unwrap();
+    let src = domain
+        .register(Arc::new(Buffer::from_slice(b"manual!!")), Access::empty())
+        .unwrap();
+    let dst = domain
+        .register(
+            Arc::new(Buffer::new(8)),
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        )
+        .unwrap();
+    a.post_send(&SendWr::write(1, &[src.all()], dst.desc().at(0)))
+        .unwrap();
+    let mut out = Vec::new();
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(300) {
+        assert_eq!(
+            cq_a.poll(&mut out, 1).unwrap(),
+            0,
+            "completed without the target"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        dst.buffer().to_vec(0, 8),
+        [0; 8],
+        "placed without the target polling"
+    );
+    // The target's application polls its (empty) queue: that is its progress.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        cq_b.poll(&mut out, 1).unwrap();
+        if cq_a.poll(&mut out, 1).unwrap() == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no completion with both sides polling"
+        );
+    }
+    assert_eq!((out[0].context, out[0].status), (1, Status::Success));
+    assert_eq!(dst.buffer().to_vec(0, 8), b"manual!!");
+}
