@@ -45,12 +45,7 @@ fn raw_stream(n: u64) -> Row {
     s.read_exact(&mut [0u8]).unwrap();
     let secs = t.elapsed().as_secs_f64();
     rx.join().unwrap();
-    Row {
-        name: "raw TCP stream, 1 MiB writes".into(),
-        bytes: MIB as u64,
-        iters: n,
-        secs,
-    }
+    Row::new("raw TCP stream, 1 MiB writes", MIB as u64, n, secs)
 }
 
 fn raw_pingpong(n: u64) -> Row {
@@ -75,12 +70,7 @@ fn raw_pingpong(n: u64) -> Row {
     }
     let secs = t.elapsed().as_secs_f64() / 2.0;
     echo.join().unwrap();
-    Row {
-        name: "raw TCP ping-pong 8 B (one-way)".into(),
-        bytes: 8,
-        iters: n,
-        secs,
-    }
+    Row::new("raw TCP ping-pong 8 B (one-way)", 8, n, secs)
 }
 
 struct Pair {
@@ -163,12 +153,7 @@ fn rdma_write(n: u64) -> Row {
     }
     let secs = t.elapsed().as_secs_f64();
     drop(p.b);
-    Row {
-        name: "tcp provider RDMA write 1 MiB".into(),
-        bytes: MIB as u64,
-        iters: n,
-        secs,
-    }
+    Row::new("tcp provider RDMA write 1 MiB", MIB as u64, n, secs)
 }
 
 fn send_pingpong(n: u64) -> Row {
@@ -193,12 +178,7 @@ fn send_pingpong(n: u64) -> Row {
         }
         t.elapsed().as_secs_f64() / 2.0
     });
-    Row {
-        name: "tcp provider send 8 B (one-way)".into(),
-        bytes: 8,
-        iters: n,
-        secs: t,
-    }
+    Row::new("tcp provider send 8 B (one-way)", 8, n, t)
 }
 
 fn main() {

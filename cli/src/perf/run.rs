@@ -189,6 +189,12 @@ impl<'a> Reaper<'a> {
         self.out.clear();
         let n = self.cq.poll(&mut self.out, 64).map_err(e("poll"))?;
         for c in self.out.drain(..) {
+            if c.status == Status::Error(ErrorKind::Flushed) {
+                // The connection is closing: what was still posted comes back flushed.
+                // Whatever completed before it is still used; waiting for more fails.
+                self.gone = true;
+                continue;
+            }
             if c.status != Status::Success {
                 return Err(format!(
                     "{:?} (context {}) failed: {} {:?}",
@@ -408,10 +414,10 @@ pub(crate) fn serve(domain: &AnyDomain, listener: &AnyListener) -> Result<(), St
         let c = r.next_recv(Mode::Block, IDLE)?;
         let s = c.context as usize * slot;
         let m = Ctrl::decode(&pool.buffer().to_vec(s, c.byte_len as usize))?;
-        post_slot(c.context)?;
         match m.kind {
+            // The client may be gone already: nothing more is posted.
             BYE => return Ok(()),
-            PHASE => {}
+            PHASE => post_slot(c.context)?,
             k => return Err(format!("unexpected control kind {k}")),
         }
         let test = Test::from_code(m.test).ok_or("unknown test in phase")?;
