@@ -148,7 +148,7 @@ impl Ctx {
             target: target.to_string(),
             peer_exe,
             bind: bind_addr(addr_of),
-            timeout: Duration::from_secs(10),
+            timeout: default_timeout(),
         }
     }
 
@@ -256,6 +256,20 @@ impl Ctx {
     pub fn peer(&self, args: &[&str]) -> Result<crate::peer::PeerProcess, String> {
         crate::peer::PeerProcess::start(self, args)
     }
+}
+
+/// Environment variable: seconds a case waits for a completion, a state or a connection
+/// (default 10). Raise it for runs under valgrind or in an emulated guest, which are many
+/// times slower; a failure still names what it waited for.
+pub const ENV_TIMEOUT: &str = "FABRIC_CONFORMANCE_TIMEOUT_SECS";
+
+fn default_timeout() -> Duration {
+    let secs = std::env::var(ENV_TIMEOUT)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|s| (1..=3600).contains(s))
+        .unwrap_or(10);
+    Duration::from_secs(secs)
 }
 
 /// Options of [`Ctx::pair_with`].
