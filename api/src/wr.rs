@@ -260,6 +260,18 @@ pub struct Completion {
 }
 
 impl Completion {
+    /// The completion of an operation flushed by the error state or a close.
+    pub fn flushed(context: u64, opcode: Opcode) -> Self {
+        Completion {
+            context,
+            opcode,
+            status: Status::Error(crate::ErrorKind::Flushed),
+            provider_code: None,
+            byte_len: 0,
+            imm: None,
+        }
+    }
+
     /// True when the status is success.
     pub fn is_ok(&self) -> bool {
         self.status == Status::Success

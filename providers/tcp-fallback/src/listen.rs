@@ -280,16 +280,7 @@ fn hand_over(ready: &SyncSender<Incoming>, h: HalfOpen, request: MpaFrame) -> bo
 
 /// Answers a request with an MPA reject carrying `why` (best effort, never blocking long).
 pub(crate) fn reject(item: Incoming, why: &str) {
-    let f = MpaFrame {
-        reply: true,
-        markers: false,
-        crc: false,
-        reject: true,
-        enhanced: false,
-        ext_offer: false,
-        revision: item.request.revision.clamp(1, 2),
-        private_data: why.as_bytes().to_vec(),
-    };
+    let f = MpaFrame::reject(item.request.revision, why);
     let mut sock = item.sock;
     let _ = sock.set_write_timeout(Some(Duration::from_millis(100)));
     let _ = sock.write_all(&f.encode());

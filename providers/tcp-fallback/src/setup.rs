@@ -161,16 +161,7 @@ pub(crate) fn respond(
     user_pd_check(private_data)?;
     let revision = req.revision.min(2);
     let reject = |sock: &mut TcpStream, why: &str| -> Error {
-        let f = MpaFrame {
-            reply: true,
-            markers: false,
-            crc: false,
-            reject: true,
-            enhanced: false,
-            ext_offer: false,
-            revision,
-            private_data: why.as_bytes().to_vec(),
-        };
+        let f = MpaFrame::reject(revision, why);
         let _ = sock.write_all(&f.encode());
         protocol(format!("rejected connection request: {why}"))
     };

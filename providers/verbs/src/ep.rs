@@ -841,14 +841,8 @@ impl EpCore {
             let mut l = self.lock();
             let recs: Vec<RqRec> = l.rq.drain(..).collect();
             for r in recs {
-                cst.ready.push_back(Completion {
-                    context: r.context,
-                    opcode: Opcode::Recv,
-                    status: Status::Error(ErrorKind::Flushed),
-                    provider_code: None,
-                    byte_len: 0,
-                    imm: None,
-                });
+                cst.ready
+                    .push_back(Completion::flushed(r.context, Opcode::Recv));
                 l.graveyard.extend(r._holds);
             }
             self.recv_cq.notify();

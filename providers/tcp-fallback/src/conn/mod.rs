@@ -926,14 +926,8 @@ impl Conn {
         self.drain_sq(st);
         let placing = st.placing.take();
         for r in placing.into_iter().chain(st.rq.drain(..)) {
-            self.recv_cq.push(Completion {
-                context: r.context,
-                opcode: Opcode::Recv,
-                status: Status::Error(ErrorKind::Flushed),
-                provider_code: None,
-                byte_len: 0,
-                imm: None,
-            });
+            self.recv_cq
+                .push(Completion::flushed(r.context, Opcode::Recv));
         }
         st.unexpected.clear();
         st.unexpected_bytes = 0;

@@ -76,6 +76,21 @@ pub struct MpaFrame {
 }
 
 impl MpaFrame {
+    /// An MPA Reply that rejects a request of `revision`, with the reason as its private
+    /// data.
+    pub fn reject(revision: u8, why: &str) -> Self {
+        MpaFrame {
+            reply: true,
+            markers: false,
+            crc: false,
+            reject: true,
+            enhanced: false,
+            ext_offer: false,
+            revision: revision.clamp(1, 2),
+            private_data: why.as_bytes().to_vec(),
+        }
+    }
+
     /// Encodes the frame.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(HEADER_LEN + self.private_data.len());
