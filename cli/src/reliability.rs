@@ -145,9 +145,9 @@ pub(crate) fn render(reports: &[(String, Report)]) -> String {
         "Reports: {}.\n",
         reports
             .iter()
-            .map(|(f, _)| format!("`{f}`"))
+            .map(|(f, r)| format!("`{f}` ({})", r.providers.join(", ")))
             .collect::<Vec<_>>()
-            .join(", ")
+            .join("; ")
     );
     let _ = write!(out, "| case | scenario | bound |");
     for p in &columns {
