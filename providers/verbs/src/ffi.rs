@@ -1251,3 +1251,153 @@ impl Drop for CmId {
 
 /// `ibv_qp_state` error value.
 pub(crate) const QPS_ERR: u32 = 6;
+
+// ----- the kernel TCP socket under an iWARP connection ------------------------------------
+
+/// How long ago the TCP socket from `local` to `peer` last received a segment from its
+/// peer: the smaller of `tcp_info`'s `tcpi_last_ack_recv` and `tcpi_last_data_recv`, asked
+/// of the kernel through `NETLINK_SOCK_DIAG` (`inet_diag`, an exact lookup by address and
+/// port). It finds the kernel's own sockets too, such as the one siw runs a connection
+/// over, in this process's network namespace. `None` when the socket is not found or the
+/// kernel cannot answer (no `inet_diag`).
+pub(crate) fn tcp_last_heard(local: SocketAddr, peer: SocketAddr) -> Option<Duration> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    const NETLINK_SOCK_DIAG: i32 = 4;
+    const SOCK_DIAG_BY_FAMILY: u16 = 20;
+    const NLM_F_REQUEST: u16 = 1;
+    const INET_DIAG_INFO: u16 = 2;
+    /// `struct nlmsghdr` (16) + `struct inet_diag_req_v2` (8 + a 48-byte sockid).
+    const REQ_LEN: u32 = 72;
+    /// `struct inet_diag_msg`: what precedes the attributes of an answer.
+    const DIAG_MSG_LEN: usize = 72;
+    let family = match (local, peer) {
+        (SocketAddr::V4(_), SocketAddr::V4(_)) => libc::AF_INET,
+        (SocketAddr::V6(_), SocketAddr::V6(_)) => libc::AF_INET6,
+        _ => return None,
+    };
+    let mut req = Vec::with_capacity(REQ_LEN as usize);
+    req.extend(REQ_LEN.to_ne_bytes());
+    req.extend(SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+    req.extend(NLM_F_REQUEST.to_ne_bytes());
+    req.extend(1u32.to_ne_bytes()); // sequence
+    req.extend(0u32.to_ne_bytes()); // port id: the kernel assigns
+    req.extend([
+        family as u8,
+        libc::IPPROTO_TCP as u8,
+        1 << (INET_DIAG_INFO - 1),
+        0,
+    ]);
+    req.extend(u32::MAX.to_ne_bytes()); // every TCP state
+    req.extend(local.port().to_be_bytes());
+    req.extend(peer.port().to_be_bytes());
+    for a in [local.ip(), peer.ip()] {
+        let mut b = [0u8; 16];
+        match a {
+            IpAddr::V4(a) => b[..4].copy_from_slice(&a.octets()),
+            IpAddr::V6(a) => b = a.octets(),
+        }
+        req.extend(b);
+    }
+    req.extend(0u32.to_ne_bytes()); // any interface
+    req.extend([0xff; 8]); // INET_DIAG_NOCOOKIE
+    debug_assert_eq!(req.len(), REQ_LEN as usize);
+    // SAFETY: socket(2) with constant arguments; the descriptor is owned just below.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
+            NETLINK_SOCK_DIAG,
+        )
+    };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: `fd` is a descriptor just created that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let tv = libc::timeval {
+        tv_sec: 1,
+        tv_usec: 0,
+    };
+    // SAFETY: `tv` is a valid timeval for the length given; `fd` is open.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: `req` is valid for reads of its length; an unconnected netlink socket sends
+    // to the kernel.
+    let sent = unsafe { libc::send(fd.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) };
+    if sent != req.len() as isize {
+        return None;
+    }
+    let mut buf = vec![0u8; 8192];
+    // SAFETY: `buf` is valid for writes of its length.
+    let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+    let n = usize::try_from(n).ok()?;
+    let u16_at = |b: &[u8], o: usize| Some(u16::from_ne_bytes(b.get(o..o + 2)?.try_into().ok()?));
+    let u32_at = |b: &[u8], o: usize| Some(u32::from_ne_bytes(b.get(o..o + 4)?.try_into().ok()?));
+    let msg = buf.get(..n)?;
+    let len = (u32_at(msg, 0)? as usize).min(msg.len());
+    if u16_at(msg, 4)? != SOCK_DIAG_BY_FAMILY {
+        return None; // NLMSG_ERROR: no such socket (or no inet_diag)
+    }
+    let mut at = 16 + DIAG_MSG_LEN;
+    while at + 4 <= len {
+        let rta_len = u16_at(msg, at)? as usize;
+        if rta_len < 4 {
+            return None;
+        }
+        if u16_at(msg, at + 2)? == INET_DIAG_INFO {
+            // `struct tcp_info`: tcpi_last_data_recv at 52, tcpi_last_ack_recv at 56 (ms).
+            let info = msg.get(at + 4..at + rta_len)?;
+            let ms = u32_at(info, TCPI_LAST_DATA_RECV)?.min(u32_at(info, TCPI_LAST_ACK_RECV)?);
+            return Some(Duration::from_millis(u64::from(ms)));
+        }
+        at += (rta_len + 3) & !3;
+    }
+    None
+}
+
+/// Offset of `tcpi_last_data_recv` in `struct tcp_info`.
+const TCPI_LAST_DATA_RECV: usize = 52;
+/// Offset of `tcpi_last_ack_recv` in `struct tcp_info`.
+const TCPI_LAST_ACK_RECV: usize = 56;
+
+#[cfg(all(test, not(loom)))]
+mod tcp_tests {
+    use super::*;
+
+    #[test]
+    fn tcp_info_offsets_match_the_c_layout() {
+        assert_eq!(
+            std::mem::offset_of!(libc::tcp_info, tcpi_last_data_recv),
+            TCPI_LAST_DATA_RECV
+        );
+        assert_eq!(
+            std::mem::offset_of!(libc::tcp_info, tcpi_last_ack_recv),
+            TCPI_LAST_ACK_RECV
+        );
+    }
+
+    #[test]
+    fn last_heard_finds_a_connected_socket_and_not_an_unknown_one() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (_s, _) = l.accept().unwrap();
+        let (local, peer) = (c.local_addr().unwrap(), c.peer_addr().unwrap());
+        match tcp_last_heard(local, peer) {
+            Some(d) => assert!(d < Duration::from_secs(60), "{d:?}"),
+            // A kernel without inet_diag (or a sandbox refusing netlink) answers nothing.
+            None => eprintln!("inet_diag unavailable here: the probe falls back to completions"),
+        }
+        let gone = SocketAddr::from(([127, 0, 0, 1], 1));
+        assert_eq!(tcp_last_heard(local, gone), None);
+    }
+}
