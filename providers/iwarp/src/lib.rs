@@ -39,6 +39,15 @@
 //!   a sink, and with it the peer may write anywhere into that region for as long as the
 //!   region lives. It is never the region's remote key (which deregistration kills at
 //!   once), but regions used as read sinks are writable by peers that were read from.
+//! * **Dead peers**: an iWARP queue pair has no ACK timer and siw's kernel TCP socket has
+//!   neither keepalive nor `TCP_USER_TIMEOUT`, so a silent peer host would hold outstanding
+//!   work for TCP's retransmission limit (about 15 minutes) or forever when idle. The core
+//!   detects dead peers itself (`Profile::liveness_probes`): the domain's helper thread
+//!   probes a quiet endpoint with a delivery read and declares it dead after the dead-peer
+//!   timeout without a sign of life (`[iwarp] dead_peer_timeout_ms`, default 10 s): the
+//!   oldest outstanding operation completes `RetryExceeded`, the rest `Flushed`, the
+//!   endpoint enters `Error` and its queue pair is destroyed. See the fabric-verbs crate
+//!   docs for what counts as a sign of life and the exact bound.
 //! * **Graceful close versus failure**: siw reports both as a closed connection. A closing
 //!   endpoint writes a close mark into the peer's credit area first, so the peer reports
 //!   `Disconnected` for a close and `Error` for anything else.
@@ -178,6 +187,7 @@ impl Flavor for Iwarp {
             emu("receiver not ready", OpSet::SEND, "credit-based flow control: the receiver RDMA-writes its posted-receive count into the sender's credit area; sends wait in the provider for credits (retried on a timer like an RNR retry)"),
             emu("delivery-complete sends and writes", OpSet::SEND | OpSet::WRITE, "each is fenced behind earlier reads and followed by an 8-byte RDMA Read of the peer; the completion is the read's"),
             emu("read sinks", OpSet::READ, "regions with LOCAL_WRITE are registered locally with REMOTE_WRITE too (iWARP read responses are tagged placements)"),
+            emu("dead-peer detection", OpSet::SEND | OpSet::WRITE | OpSet::READ, "emulated, like UCX's keepalive: the queue pair has no ACK timer and the kernel's TCP socket under it no keepalive, so the domain's helper thread watches every endpoint; any completion or TCP segment from the peer is a sign of life, a quiet endpoint is probed with a delivery read, and one quiet for the dead-peer timeout ([iwarp] dead_peer_timeout_ms, default 10 s) is declared dead: the oldest outstanding operation completes RetryExceeded, the rest Flushed, the queue pair is destroyed"),
         ];
         if split {
             emulated.push(emu("scatter reads", OpSet::READ, &format!("a read into more than {} scatter entries is split into one RDMA Read per entry", dev.max_sge_rd.max(1))));
@@ -192,13 +202,14 @@ impl Flavor for Iwarp {
             transport_private_data: MPA_PRIVATE_DATA,
             rnr_retry: 7,
             retry: 7,
-            // iWARP has no local ACK timer: TCP's retransmission timeout decides when a
-            // dead peer fails outstanding work (see the fabric-verbs crate docs).
+            // iWARP has no local ACK timer: the core's liveness probes bound how long a
+            // dead peer holds outstanding work (see the fabric-verbs crate docs).
             ack_timeout: None,
             min_rnr_timer: None,
             infer_terminate: true,
             length_as_malformed_wqe: false,
             read_protection,
+            liveness_probes: true,
             unsupported,
             emulated,
         }
@@ -255,6 +266,11 @@ mod tests {
         };
         let p = Iwarp::profile(&dev);
         assert!(!p.atomics && !p.immediate && p.credits && p.split_reads && p.sink_remote_write);
+        assert!(p.liveness_probes && p.ack_timeout.is_none());
+        assert!(p
+            .emulated
+            .iter()
+            .any(|e| e.feature == "dead-peer detection" && e.how.starts_with("emulated")));
         for k in ["FETCH_ADD", "COMPARE_SWAP", "SEND_IMM", "WRITE_IMM"] {
             assert!(p.unsupported[k].contains("iWARP"), "{k}");
         }

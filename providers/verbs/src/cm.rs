@@ -225,38 +225,53 @@ pub(crate) fn handle_endpoint_event(ep: &Arc<EpCore>, ev: &CmEvent) {
 
 /// The RNR thread of a domain: while an endpoint holds sends back for lack of credits (or
 /// owes its peer a credit update), it retries on a timer, as a device retries after an RNR
-/// NAK. It sleeps without a timeout when nothing is blocked.
+/// NAK. Where the domain detects dead peers itself (iWARP), the same thread also looks at
+/// every watched endpoint once per liveness tick (`EpCore::check_liveness`). It sleeps
+/// without a timeout when nothing is blocked or watched.
 #[derive(Debug)]
 pub(crate) struct Rnr {
     shared: Arc<RnrShared>,
     thread: Mutex<Option<(JoinHandle<()>, ThreadId)>>,
     name: String,
+    /// The liveness tick, when the domain detects dead peers.
+    tick: Option<Duration>,
+}
+
+/// The endpoints the thread looks after.
+#[derive(Debug, Default)]
+struct RnrLists {
+    /// Blocked (held-back work, owed credit updates) or dead with work to flush.
+    blocked: Vec<Weak<EpCore>>,
+    /// Watched for signs of life.
+    watched: Vec<Weak<EpCore>>,
 }
 
 #[derive(Debug, Default)]
 struct RnrShared {
-    list: Mutex<Vec<Weak<EpCore>>>,
+    lists: Mutex<RnrLists>,
     cv: Condvar,
     stop: AtomicBool,
 }
 
 impl Rnr {
-    pub fn new(name: &str) -> Rnr {
+    /// The helper of a domain; `tick`: how often watched endpoints are looked at.
+    pub fn new(name: &str, tick: Option<Duration>) -> Rnr {
         Rnr {
             shared: Arc::default(),
             thread: Mutex::new(None),
             name: name.to_string(),
+            tick,
         }
     }
 
-    /// Registers a blocked endpoint (starting the thread on first use).
-    pub fn add(&self, ep: Weak<EpCore>) {
+    fn start(&self) {
         let mut t = self.thread.lock().expect("rnr poisoned");
         if t.is_none() {
             let s = self.shared.clone();
+            let tick = self.tick;
             match std::thread::Builder::new()
                 .name(format!("fabric-{}-rnr", self.name))
-                .spawn(move || rnr_main(s))
+                .spawn(move || rnr_main(s, tick))
             {
                 Ok(h) => {
                     let id = h.thread().id();
@@ -265,8 +280,33 @@ impl Rnr {
                 Err(e) => tracing::error!("cannot start the RNR thread: {e}"),
             }
         }
-        drop(t);
-        self.shared.list.lock().expect("rnr poisoned").push(ep);
+    }
+
+    /// Registers a blocked endpoint (starting the thread on first use).
+    pub fn add(&self, ep: Weak<EpCore>) {
+        self.start();
+        self.shared
+            .lists
+            .lock()
+            .expect("rnr poisoned")
+            .blocked
+            .push(ep);
+        self.shared.cv.notify_all();
+    }
+
+    /// Watches an endpoint for signs of life until `EpCore::check_liveness` says to stop
+    /// (no-op where the domain does not detect dead peers).
+    pub fn watch(&self, ep: Weak<EpCore>) {
+        if self.tick.is_none() {
+            return;
+        }
+        self.start();
+        self.shared
+            .lists
+            .lock()
+            .expect("rnr poisoned")
+            .watched
+            .push(ep);
         self.shared.cv.notify_all();
     }
 }
@@ -283,37 +323,66 @@ impl Drop for Rnr {
     }
 }
 
-fn rnr_main(s: Arc<RnrShared>) {
+fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
     const MIN: Duration = Duration::from_micros(100);
     const MAX: Duration = Duration::from_millis(2);
     let mut delay = MIN;
+    let mut next_watch = Instant::now();
     loop {
-        let batch: Vec<Weak<EpCore>> = {
-            let mut l = s.list.lock().expect("rnr poisoned");
-            while l.is_empty() && !s.stop.load(Ordering::Acquire) {
-                l = s.cv.wait(l).expect("rnr poisoned");
+        let (batch, watch) = {
+            let mut l = s.lists.lock().expect("rnr poisoned");
+            loop {
+                if s.stop.load(Ordering::Acquire) {
+                    return;
+                }
+                let watching = tick.is_some() && !l.watched.is_empty();
+                if !l.blocked.is_empty() || (watching && Instant::now() >= next_watch) {
+                    break;
+                }
+                l = if watching {
+                    let left = next_watch.saturating_duration_since(Instant::now());
+                    s.cv.wait_timeout(l, left).expect("rnr poisoned").0
+                } else {
+                    s.cv.wait(l).expect("rnr poisoned")
+                };
                 delay = MIN;
             }
-            if s.stop.load(Ordering::Acquire) {
-                return;
+            if !l.blocked.is_empty() {
+                l = s.cv.wait_timeout(l, delay).expect("rnr poisoned").0;
             }
-            l = s.cv.wait_timeout(l, delay).expect("rnr poisoned").0;
-            std::mem::take(&mut *l)
+            let watch = match tick {
+                Some(t) if Instant::now() >= next_watch => {
+                    next_watch = Instant::now() + t;
+                    std::mem::take(&mut l.watched)
+                }
+                _ => Vec::new(),
+            };
+            (std::mem::take(&mut l.blocked), watch)
         };
-        let before = batch.len();
-        let mut still = Vec::new();
-        for w in batch {
-            if let Some(ep) = w.upgrade() {
-                if ep.retry_blocked() {
-                    still.push(w);
+        // No list lock is held while endpoints run (they take queue and endpoint locks).
+        if !batch.is_empty() {
+            let before = batch.len();
+            let mut still = Vec::new();
+            for w in batch {
+                if let Some(ep) = w.upgrade() {
+                    if ep.retry_blocked() {
+                        still.push(w);
+                    }
                 }
             }
+            delay = if still.len() < before {
+                MIN
+            } else {
+                (delay * 2).min(MAX)
+            };
+            s.lists.lock().expect("rnr poisoned").blocked.extend(still);
         }
-        delay = if still.len() < before {
-            MIN
-        } else {
-            (delay * 2).min(MAX)
-        };
-        s.list.lock().expect("rnr poisoned").extend(still);
+        if !watch.is_empty() {
+            let keep: Vec<Weak<EpCore>> = watch
+                .into_iter()
+                .filter(|w| w.upgrade().is_some_and(|ep| ep.check_liveness()))
+                .collect();
+            s.lists.lock().expect("rnr poisoned").watched.extend(keep);
+        }
     }
 }

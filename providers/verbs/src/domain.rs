@@ -257,6 +257,9 @@ pub(crate) struct DomainInner {
     pub pd: Arc<Pd>,
     pub rnr: Rnr,
     pub cm: Cm,
+    /// The dead-peer timeout, where the provider detects dead peers itself
+    /// ([`Profile::liveness_probes`]).
+    pub dead_peer: Option<std::time::Duration>,
 }
 
 impl fmt::Debug for DomainInner {
@@ -401,6 +404,17 @@ impl<F: Flavor> VerbsDomain<F> {
             .find_map(|(d, s)| s.ok().map(|s| (d, s)))
             .ok_or_else(|| Error::new(ErrorKind::NoDevice, F::no_device()))?;
         let profile = F::profile(&dev);
+        let dead_peer = match opts.dead_peer_timeout {
+            Some(t) if !crate::DEAD_PEER_TIMEOUT_RANGE.contains(&t) => {
+                return Err(Error::invalid(format!(
+                    "{}: dead_peer_timeout {t:?} outside 2 s..=3600 s",
+                    F::NAME
+                )))
+            }
+            t => profile
+                .liveness_probes
+                .then(|| t.unwrap_or(crate::DEFAULT_DEAD_PEER_TIMEOUT)),
+        };
         let caps = caps_of(&dev, &profile, sel.port);
         let limits = caps.limits;
         let ctx = Ctx::by_name(&dev.name).map_err(|e| {
@@ -421,7 +435,8 @@ impl<F: Flavor> VerbsDomain<F> {
         Ok(VerbsDomain {
             inner: Arc::new(DomainInner {
                 id: fabric_api::region::next_domain_id(),
-                rnr: Rnr::new(F::NAME),
+                rnr: Rnr::new(F::NAME, dead_peer.map(crate::liveness_tick)),
+                dead_peer,
                 dev,
                 sel,
                 profile,
@@ -1147,6 +1162,7 @@ mod tests {
             infer_terminate: true,
             length_as_malformed_wqe: false,
             read_protection: false,
+            liveness_probes: true,
             unsupported: BTreeMap::new(),
             emulated: Vec::new(),
         };

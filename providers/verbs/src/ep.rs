@@ -181,6 +181,16 @@ struct Ledger {
     /// Regions of requests the provider completed itself after the device failed to
     /// flush them: kept until the queue pair is destroyed.
     graveyard: Vec<RegionRef>,
+    /// Completions handled, of any kind (dead-peer detection: a sign of life).
+    progress: u64,
+    /// Dead-peer detection: `progress` when the helper thread last looked, and the last
+    /// sign of life it knows of.
+    seen: u64,
+    last_life: Instant,
+    /// The liveness probe in flight (its record's sequence number).
+    probe: Option<u64>,
+    /// The kernel could not tell when the TCP socket last heard the peer (logged once).
+    tcp_blind: bool,
 }
 
 /// The shared core of an endpoint.
@@ -297,12 +307,20 @@ impl EpCore {
                     attributed: false,
                     dead_since: None,
                     graveyard: Vec::new(),
+                    progress: 0,
+                    seen: 0,
+                    last_life: Instant::now(),
+                    probe: None,
+                    tcp_blind: false,
                 },
             ),
         });
         core.send_cq.lock().qps.insert(qpn, core.clone());
         if !Arc::ptr_eq(&core.send_cq, &core.recv_cq) {
             core.recv_cq.lock().qps.insert(qpn, core.clone());
+        }
+        if core.dom.dead_peer.is_some() {
+            core.dom.rnr.watch(Arc::downgrade(&core));
         }
         if let Some(t) = core.dom.profile.min_rnr_timer {
             if let Err(e) = core.id.set_min_rnr_timer(t) {
@@ -851,6 +869,188 @@ impl EpCore {
         false
     }
 
+    // ----- dead-peer detection (iWARP) --------------------------------------------------
+
+    /// Dead-peer detection: called by the domain's helper thread once per liveness tick,
+    /// with no lock held. Returns whether to keep watching the endpoint.
+    ///
+    /// A sign of life is any completion of the endpoint's queue pair (the application's
+    /// requests, credit updates, delivery reads, probes) and any TCP segment the
+    /// connection's socket received from the peer (the kernel's `tcp_info`, so a long
+    /// transfer that is making progress counts even before it completes). After a quarter
+    /// of the timeout without one the endpoint is probed (a delivery read, which any live
+    /// peer answers, posted ahead of held-back work; one at a time); once the quiet time
+    /// reaches the timeout, less one tick, the peer is declared dead ([`Self::declare_dead`]).
+    pub fn check_liveness(self: &Arc<Self>) -> bool {
+        let Some(timeout) = self.dom.dead_peer else {
+            return false;
+        };
+        let tick = crate::liveness_tick(timeout);
+        let probe_after = timeout / 4;
+        if !self.quiet_for(probe_after) {
+            return true;
+        }
+        // Quiet: reap (completions waiting in the device queue are signs of life) with no
+        // endpoint lock held (lock order), and ask the kernel when TCP last heard the peer.
+        self.send_cq.reap();
+        if !Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
+            self.recv_cq.reap();
+        }
+        let heard = ffi::tcp_last_heard(self.local, self.peer);
+        let mut l = self.lock();
+        if l.status != EndpointState::Connected || l.torn_down {
+            return false;
+        }
+        let now = Instant::now();
+        if l.progress != l.seen {
+            l.seen = l.progress;
+            l.last_life = now;
+            return true;
+        }
+        match heard.and_then(|ago| now.checked_sub(ago)) {
+            Some(t) => l.last_life = l.last_life.max(t),
+            None if !l.tcp_blind => {
+                l.tcp_blind = true;
+                tracing::warn!(
+                    qp = self.qpn,
+                    local = %self.local,
+                    peer = %self.peer,
+                    "the kernel does not tell when this connection's TCP socket last heard the peer (no inet_diag?): dead-peer detection counts completions only, so a transfer taking longer than the dead-peer timeout without any completion is declared dead"
+                );
+            }
+            None => {}
+        }
+        let quiet = now.saturating_duration_since(l.last_life);
+        if quiet + tick >= timeout {
+            drop(l);
+            self.declare_dead(quiet, timeout);
+            return false;
+        }
+        if quiet >= probe_after {
+            let in_flight = l.probe.is_some_and(|seq| l.sq.iter().any(|r| r.seq == seq));
+            if !in_flight && self.post_probe(&mut l) {
+                tracing::trace!(
+                    qp = self.qpn,
+                    quiet_ms = quiet.as_millis() as u64,
+                    "liveness probe posted"
+                );
+            }
+        }
+        true
+    }
+
+    /// True when the endpoint has shown no sign of life the ledger knows of for `d` (a
+    /// cheap look under the ledger's lock; new completions count as life now).
+    fn quiet_for(&self, d: Duration) -> bool {
+        let mut l = self.lock();
+        if l.progress != l.seen {
+            l.seen = l.progress;
+            l.last_life = Instant::now();
+            return false;
+        }
+        l.last_life.elapsed() >= d
+    }
+
+    /// Posts a liveness probe: the endpoint's delivery read (8 bytes of the peer's credit
+    /// area, or a zero-length read of a peer without one, which base RDMAP carries to any
+    /// peer), as an internal request ahead of held-back work. Needs a free internal slot
+    /// and send-queue room (never reaps: the ledger's lock is held). Returns whether it
+    /// was posted.
+    fn post_probe(&self, l: &mut Ledger) -> bool {
+        let Some(mut w) = self.delivery_read() else {
+            return false;
+        };
+        if l.hw_sq >= self.hw_sq_cap || !self.send_cq.reserve_internal(1) {
+            return false;
+        }
+        let seq = l.next_seq;
+        l.next_seq += 1;
+        w.wr_id = seq;
+        // SAFETY: the one entry names the endpoint's own area (credit area or delivery-read
+        // sink), registered in this domain and alive as long as the endpoint, whose queue
+        // pair is destroyed before it.
+        #[allow(unsafe_code)]
+        let r = unsafe { self.id.post_send(std::slice::from_ref(&w)) };
+        if let Err((_, e)) = r {
+            tracing::debug!(qp = self.qpn, "liveness probe refused: {e}");
+            self.send_cq.release_internal(1);
+            return false;
+        }
+        let at = l.sq.len() - l.pending;
+        l.sq.insert(
+            at,
+            SqRec {
+                seq,
+                wr: None,
+                grouped: false,
+                user: None,
+                internal: true,
+                is_send: false,
+                failed: None,
+                group_err: None,
+                _holds: Vec::new(),
+            },
+        );
+        l.hw_sq += 1;
+        l.probe = Some(seq);
+        true
+    }
+
+    /// Declares the peer dead after `quiet` without a sign of life (helper thread, no lock
+    /// held): the endpoint enters `Error`, the connection is closed and the queue pair
+    /// destroyed (nothing it was asked to do lands later), and every outstanding request
+    /// completes in posting order, the oldest application request `RetryExceeded`, the
+    /// rest `Flushed`; receives complete `Flushed`.
+    fn declare_dead(self: &Arc<Self>, quiet: Duration, timeout: Duration) {
+        let (sq, rq) = {
+            let mut l = self.lock();
+            if l.status != EndpointState::Connected || l.torn_down || l.progress != l.seen {
+                return;
+            }
+            tracing::warn!(
+                qp = self.qpn,
+                local = %self.local,
+                peer = %self.peer,
+                quiet_ms = quiet.as_millis() as u64,
+                timeout_ms = timeout.as_millis() as u64,
+                outstanding = l.user_sq,
+                receives = l.rq.len(),
+                "no sign of life from the peer within the dead-peer timeout: endpoint declared dead, its queue pair destroyed; outstanding requests complete RetryExceeded (the oldest) and Flushed"
+            );
+            l.status = EndpointState::Error;
+            l.attributed = true;
+            l.dead_since = Some(Instant::now());
+            let _ = self.id.disconnect();
+            // Under the ledger lock, as in teardown: nothing posts to a destroyed pair.
+            l.torn_down = true;
+            self.id.destroy_qp();
+            l.hw_sq = 0;
+            l.probe = None;
+            (std::mem::take(&mut l.sq), std::mem::take(&mut l.rq))
+        };
+        {
+            let mut cst = self.send_cq.lock();
+            // What the device completed before the pair died finds no record: dropped.
+            self.send_cq.drain(&mut cst);
+            let mut l = self.lock();
+            let mut first = true;
+            for mut r in sq {
+                if r.user.is_some() && std::mem::take(&mut first) && r.group_err.is_none() {
+                    r.group_err = r.failed.or(Some((ErrorKind::RetryExceeded, None)));
+                }
+                self.retire(&mut l, &mut cst, &mut r);
+            }
+            self.send_cq.notify();
+        }
+        let mut cst = self.recv_cq.lock();
+        self.recv_cq.drain(&mut cst);
+        for r in rq {
+            cst.ready
+                .push_back(Completion::flushed(r.context, Opcode::Recv));
+        }
+        self.recv_cq.notify();
+    }
+
     pub fn post_recv(self: &Arc<Self>, wr: &RecvWr<'_>) -> Result<()> {
         let (sges, holds, _) = self.sges(wr.sgl, Access::LOCAL_WRITE)?;
         {
@@ -984,6 +1184,7 @@ impl EpCore {
     /// Handles one device completion of this endpoint's queue pair (CQ lock held).
     fn handle_completion(self: &Arc<Self>, cq: &CqInner, cst: &mut CqState, w: &Wc) {
         let mut l = self.lock();
+        l.progress = l.progress.wrapping_add(1);
         let failed = w.status != wc::SUCCESS;
         let mut err = failed.then(|| {
             let (k, c) = status::error_of(w.status);

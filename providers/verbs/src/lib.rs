@@ -70,15 +70,40 @@
 //!
 //! *iWARP (siw).* An iWARP queue pair has no ACK timer: it runs over a kernel TCP socket,
 //! and siw (`siw_cm.c`) sets only `TCP_NODELAY` and `SO_REUSEADDR` on it: no keepalive,
-//! no `TCP_USER_TIMEOUT`. A silent peer is noticed only by TCP's retransmission timeout
-//! while data is unacknowledged: `net.ipv4.tcp_retries2` (default 15) retransmissions
-//! with the RTO doubling from 200 ms up to `TCP_RTO_MAX` (120 s), some 924.6 s (15.4
-//! minutes); then the socket fails, siw closes the connection and flushes the queue pair.
-//! Sends and writes complete on siw when transmitted, so only requests waiting for the
-//! peer (reads, and this core's delivery reads behind sends and writes) are held that long;
-//! with nothing unacknowledged no error comes at all. The bound there is the host's TCP
-//! setting, not this crate's, and the flush is reported as the device tells it (see
-//! `Profile::infer_terminate`), not as `RetryExceeded`.
+//! no `TCP_USER_TIMEOUT`. Left to TCP, a silent peer is noticed only while data is
+//! unacknowledged, after `net.ipv4.tcp_retries2` (default 15) retransmissions, some 924.6 s,
+//! and never on an idle connection. So the core detects dead peers itself there
+//! ([`Profile::liveness_probes`]), as UCX's keepalive does, at the protocol level:
+//!
+//! * The domain's helper thread (the RNR thread: one per domain, no thread per endpoint)
+//!   looks at every endpoint once per [`liveness_tick`], a twentieth of the dead-peer
+//!   timeout ([`VerbsOptions::dead_peer_timeout`], default [`DEFAULT_DEAD_PEER_TIMEOUT`]
+//!   = 10 s, configured as `[iwarp] dead_peer_timeout_ms`).
+//! * A sign of life is any completion of the endpoint's queue pair (the application's
+//!   requests, credit updates, delivery reads, probes), and any TCP segment the
+//!   connection's socket received from the peer (`tcp_info`'s `tcpi_last_ack_recv` and
+//!   `tcpi_last_data_recv`, read through `NETLINK_SOCK_DIAG`, which sees siw's kernel
+//!   socket): a healthy peer in the middle of a long transfer keeps acknowledging or
+//!   sending, so it is never declared dead; a peer that merely posts no receives (sends
+//!   held for credits) answers probes.
+//! * After a quarter of the timeout without a sign of life (idle or not) the endpoint is
+//!   probed: its delivery read (8 bytes of the peer's credit area; a zero-length RDMA Read
+//!   of a peer without one, which base RDMAP carries to any peer), posted unfenced ahead of
+//!   held-back work, one probe at a time. An idle endpoint of a live peer thus costs a
+//!   small read every few seconds.
+//! * Once the quiet time reaches the timeout less one tick the peer is declared dead
+//!   (logged as a warning): the endpoint enters `Error`, the connection is closed and the
+//!   queue pair destroyed (nothing it was asked to do lands later), the oldest outstanding
+//!   application request completes `RetryExceeded` and every other one `Flushed`, in
+//!   posting order, receives `Flushed`.
+//!
+//! The bound: an operation outstanding to a dead peer completes `RetryExceeded` within the
+//! dead-peer timeout of the peer's last sign of life, hence of the later of the silence
+//! and the operation's posting (between 19/20 of it and all of it, give or take the helper
+//! thread's scheduling). Where the kernel cannot tell when the socket last heard the peer
+//! (no `inet_diag`), completions alone count, which is logged once per endpoint: then a
+//! single transfer taking longer than the timeout without a completion is declared dead.
+//! It is an emulation, declared as such in the provider's emulated features.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(unsafe_code)]
 
@@ -135,6 +160,10 @@ pub struct VerbsOptions {
     /// IP type-of-service byte (DSCP << 2 | ECN) for RoCE v2 traffic; maps to the traffic
     /// class of the GRH. `None`: the kernel default (0).
     pub traffic_class: Option<u8>,
+    /// How long an endpoint may show no sign of life before the provider declares its peer
+    /// dead, where the provider detects dead peers itself ([`Profile::liveness_probes`]:
+    /// iWARP). `None`: [`DEFAULT_DEAD_PEER_TIMEOUT`]. Valid: [`DEAD_PEER_TIMEOUT_RANGE`].
+    pub dead_peer_timeout: Option<std::time::Duration>,
 }
 
 /// The port, address and GID a domain uses on its device.
@@ -204,6 +233,11 @@ pub struct Profile {
     /// kernel's siw does not: it builds Read Responses with `siw_check_sgl_tx(pd, wqe, 0)`
     /// (siw_qp_tx.c), which checks the key and bounds but no access right.
     pub read_protection: bool,
+    /// Dead-peer detection by the provider (iWARP, whose queue pairs have no ACK timer):
+    /// the domain's helper thread watches every endpoint and probes a quiet one with a
+    /// delivery read; an endpoint that shows no sign of life within the dead-peer timeout
+    /// ([`VerbsOptions::dead_peer_timeout`]) is declared dead (see the crate docs).
+    pub liveness_probes: bool,
     /// Operations declared unsupported, with the reason.
     pub unsupported: BTreeMap<String, String>,
     /// What the core emulates on this transport.
@@ -224,6 +258,20 @@ pub const RC_RETRY_COUNT: u8 = 6;
 /// x ([`RC_RETRY_COUNT`] + 1) = 268.4 ms x 7 = 1.879 s (see the crate docs).
 pub const DEAD_PEER_BOUND: std::time::Duration =
     std::time::Duration::from_nanos(4096 * (1 << RC_ACK_TIMEOUT) * (RC_RETRY_COUNT as u64 + 1));
+
+/// The dead-peer timeout of the providers that detect dead peers themselves (iWARP) when
+/// none is configured: 10 s, as the tcp provider's.
+pub const DEFAULT_DEAD_PEER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The dead-peer timeouts a domain accepts: 2 s to an hour (as the tcp provider's).
+pub const DEAD_PEER_TIMEOUT_RANGE: std::ops::RangeInclusive<std::time::Duration> =
+    std::time::Duration::from_secs(2)..=std::time::Duration::from_secs(3600);
+
+/// How often the helper thread looks at the endpoints of a domain that detects dead peers
+/// itself: a twentieth of the dead-peer timeout (500 ms for 10 s).
+pub fn liveness_tick(timeout: std::time::Duration) -> std::time::Duration {
+    timeout / 20
+}
 
 /// The vendor id soft-RoCE (rxe) reports.
 pub const SOFT_ROCE_VENDOR_ID: u32 = 0x00ff_ffff;
@@ -261,6 +309,7 @@ impl Profile {
             infer_terminate: false,
             length_as_malformed_wqe: dev.vendor_id == SOFT_ROCE_VENDOR_ID,
             read_protection: true,
+            liveness_probes: false,
             unsupported,
             emulated: Vec::new(),
         }
