@@ -17,7 +17,8 @@
 //! address = "192.168.77.1"           # the local address (its RoCE v2 GID is used)
 //! traffic_class = 106                # IP TOS byte of RoCE v2 traffic: DSCP 26, ECT(0)
 //!
-//! [iwarp]                            # device, address as for roce
+//! [iwarp]                            # device, address as for roce, and:
+//! dead_peer_timeout_ms = 10000       # a silent peer host fails the endpoint within this (probes)
 //! [ib]                               # device, address (IPoIB) as for roce
 //!
 //! [tcp]
@@ -154,6 +155,7 @@ struct VerbsSection {
     device: Option<String>,
     address: Option<std::net::IpAddr>,
     traffic_class: Option<u8>,
+    dead_peer_timeout_ms: Option<u64>,
 }
 
 impl VerbsSection {
@@ -172,6 +174,21 @@ impl VerbsSection {
                 ));
             }
             o.traffic_class = Some(t);
+        }
+        if let Some(ms) = self.dead_peer_timeout_ms {
+            if name != "iwarp" {
+                return Err(Error::new(
+                    ErrorKind::Config,
+                    format!("[{name}] dead_peer_timeout_ms: the device's ACK timeout and retry count bound dead peers on {name} (fabric_verbs::DEAD_PEER_BOUND, 1.879 s); only [iwarp] takes this key"),
+                ));
+            }
+            if !(2_000..=3_600_000).contains(&ms) {
+                return Err(Error::new(
+                    ErrorKind::Config,
+                    format!("[iwarp] dead_peer_timeout_ms = {ms}: expected 2000..=3600000"),
+                ));
+            }
+            o.dead_peer_timeout = Some(std::time::Duration::from_millis(ms));
         }
         Ok(())
     }
@@ -736,6 +753,27 @@ mod tests {
                 .config_str(&format!("[tcp]\n{bad}\n"))
                 .unwrap_err();
             assert!(e.message().contains(key), "{e}");
+        }
+    }
+
+    #[test]
+    fn iwarp_dead_peer_timeout_is_validated() {
+        let s = Selector::new()
+            .config_str("[iwarp]\ndead_peer_timeout_ms = 4000\n")
+            .unwrap();
+        assert_eq!(
+            s.iwarp.dead_peer_timeout,
+            Some(std::time::Duration::from_secs(4))
+        );
+        assert_eq!(Selector::new().iwarp.dead_peer_timeout, None);
+        for bad in [
+            "[iwarp]\ndead_peer_timeout_ms = 1999",
+            "[iwarp]\ndead_peer_timeout_ms = 3600001",
+            "[roce]\ndead_peer_timeout_ms = 5000",
+            "[ib]\ndead_peer_timeout_ms = 5000",
+        ] {
+            let e = Selector::new().config_str(bad).unwrap_err();
+            assert!(e.message().contains("dead_peer_timeout_ms"), "{bad}: {e}");
         }
     }
 }
