@@ -45,7 +45,7 @@ fn scenario(name: &str) -> (&'static str, &'static str) {
         ),
         "fault.silent_peer_host" => (
             "the peer host goes silent (nftables drops its packets) with an RDMA Read outstanding: the Read fails RetryExceeded",
-            "the initiator's dead-peer bound: tcp 10 s (dead_peer_timeout), roce 1.879 s (ACK timeout x retries), iwarp none of its own (kernel TCP retransmission, ~924.6 s); + max(1 s, 25 %) timer slack",
+            "the initiator's dead-peer bound: tcp and iwarp 10 s (dead_peer_timeout_ms), roce 1.879 s (ACK timeout x retries); + max(1 s, 25 %) timer slack",
         ),
         "conn.peer_killed_mid_transfer" => (
             "peer process SIGKILLed with 4 sends and a 64 KiB write outstanding: all complete, in order, sends not Success; posts refused after",
