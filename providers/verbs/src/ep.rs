@@ -1611,7 +1611,11 @@ impl<F: Flavor> Endpoint for VerbsEndpoint<F> {
     fn emulated(&self) -> Vec<String> {
         let p = &self.core.dom.profile;
         if p.credits && self.core.credit.is_none() {
-            return vec!["none: the peer is not of this framework, so no credit flow control (a send finding no posted receive breaks the connection) and no delivery-complete sends and writes".into()];
+            let mut v = vec!["none but dead-peer detection: the peer is not of this framework, so no credit flow control (a send finding no posted receive breaks the connection) and no delivery-complete sends and writes".to_string()];
+            if let Some(t) = self.core.dom.dead_peer {
+                v.push(format!("dead-peer detection: zero-length RDMA Read probes; declared dead after {} ms without a sign of life", t.as_millis()));
+            }
+            return v;
         }
         p.emulated
             .iter()

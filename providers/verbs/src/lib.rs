@@ -42,7 +42,8 @@
 //! released (`EpCore::retry_blocked`). Debug builds check the order on every acquisition
 //! and panic naming both locks; loom models (`src/loom_models.rs`, run with
 //! `CARGO_TARGET_DIR=target/loom RUSTFLAGS="--cfg loom" cargo test -p fabric-verbs --release --lib loom`)
-//! explore the RNR thread's reap against the application's polling and posting.
+//! explore the RNR thread's reap, and its dead-peer path (liveness probe, declaring a
+//! peer dead), against the application's polling and posting.
 //!
 //! # Dead peers: how long until `RetryExceeded`
 //! *InfiniBand transports (roce, ib).* Every queue pair gets the local ACK timeout
