@@ -33,14 +33,15 @@
 //!   kernel, never through netfilter), the case fails with what it observed, including the
 //!   rules' packet counters.
 //!
-//! Observed (RELIABILITY.md has the figures of the last run): tcp fails the silent peer's
-//! Read `RetryExceeded` after some 10.5 s (bound 10 s; the endpoint then reads
-//! `Disconnected`); on soft-RoCE the drop rules match no packet and the Read succeeds (two
-//! queue pairs of rxe0 talk through rxe's in-kernel loopback), so the RoCE bound cannot be
-//! measured in the guest. Before the verbs core's liveness probes, iwarp (siw) reported
-//! nothing within 30 s (TCP's retransmission limit, ~15 minutes). An iwarp peer of an
-//! endpoint closed with operations in flight read the close as `Error` rather than
-//! `Disconnected` in some runs (iwarp and tcp>iwarp), not in others.
+//! Observed (RELIABILITY.md has the figures of the last run): the silent peer's Read
+//! fails `RetryExceeded` after some 10.6 s on tcp (bound 10 s; the endpoint then reads
+//! `Disconnected`) and 9.6 s on iwarp (the verbs core's liveness probes; before them siw
+//! reported nothing within 30 s: TCP's retransmission limit, ~15 minutes; endpoint
+//! `Error`); on soft-RoCE the drop rules match no packet and the Read succeeds (two queue
+//! pairs of rxe0 talk through rxe's in-kernel loopback), so the RoCE bound cannot be
+//! measured in the guest. An iwarp peer of an endpoint closed with operations in flight
+//! read the close as `Error` rather than `Disconnected` in some runs (iwarp and
+//! tcp>iwarp), not in others.
 //!
 //! Not repeated here: a peer process killed with operations outstanding
 //! (`conn.peer_killed_mid_transfer`), a peer process exiting (`conn.peer_exit_is_a_disconnect`),
