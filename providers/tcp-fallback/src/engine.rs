@@ -11,7 +11,7 @@
 //!   zero-timeout `epoll_wait` and makes progress on whatever is ready, and `wait` sleeps in
 //!   it, so a waiting application is woken by the socket directly, with no hand-off.
 //!
-//! Whoever sees a connection ready calls [`Conn::progress`](crate::conn::Conn::progress),
+//! Whoever sees a connection ready calls the connection's `progress`,
 //! which is serialised per connection with a try-lock and a "more to do" flag: a second
 //! caller never waits, and no readiness is lost. Posting threads write straight to the
 //! socket when it has room. In progress mode `manual` there is no thread: progress happens
