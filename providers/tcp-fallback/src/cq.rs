@@ -1,22 +1,27 @@
 //! The completion queue: a bounded queue with reservation, so it can never overrun, and
 //! the poll set of its endpoints' sockets: polling it makes progress (see
 //! [`crate::engine`]).
+//!
+//! The queue itself is [`Inner`], generic over what its poll set sleeps in so that the
+//! loom models run it over a model event.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::engine::PollSet;
+use crate::engine::sync::{AtomicUsize, Mutex};
+use crate::engine::{PollSet, Poller};
 
 use fabric_api::spi::CompletionQueue;
 use fabric_api::{Completion, Error, ErrorKind, Result};
 
+/// The queue behind a [`TcpCq`].
 #[derive(Debug)]
-struct Inner {
+pub(crate) struct Inner<P: Poller = mio::Poll> {
     queue: Mutex<VecDeque<Completion>>,
     /// The sockets of the endpoints reporting here, and a waker.
-    set: Arc<PollSet>,
+    set: Arc<PollSet<P>>,
     capacity: usize,
     /// Slots promised to posted operations plus completions not yet polled.
     reserved: AtomicUsize,
@@ -37,19 +42,60 @@ impl TcpCq {
             )));
         }
         Ok(TcpCq {
-            inner: Arc::new(Inner {
-                queue: Mutex::new(VecDeque::with_capacity(capacity)),
-                set: Arc::new(PollSet::new()?),
-                capacity,
-                reserved: AtomicUsize::new(0),
-            }),
+            inner: Arc::new(Inner::new(capacity, PollSet::new()?)),
         })
     }
 
     /// Promises a slot to an operation being posted; refused when the queue could overrun.
     pub(crate) fn reserve(&self) -> Result<()> {
-        let cap = self.inner.capacity;
-        self.inner
+        self.inner.reserve()
+    }
+
+    /// Gives back a slot whose operation completed without a completion entry.
+    pub(crate) fn unreserve(&self) {
+        self.inner.unreserve()
+    }
+
+    /// Delivers a completion into a slot reserved earlier.
+    pub(crate) fn push(&self, c: Completion) {
+        self.inner.push(c)
+    }
+
+    /// The poll set of this queue's endpoints.
+    pub(crate) fn set(&self) -> &Arc<PollSet> {
+        &self.inner.set
+    }
+}
+
+impl CompletionQueue for TcpCq {
+    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        self.inner.poll(out, max)
+    }
+
+    fn wait(&self, timeout: Duration) -> Result<bool> {
+        self.inner.wait(timeout)
+    }
+
+    fn capacity(&self) -> usize {
+        self.inner.capacity
+    }
+}
+
+impl<P: Poller> Inner<P> {
+    /// An empty queue of `capacity` entries whose endpoints' sockets are in `set`.
+    pub(crate) fn new(capacity: usize, set: PollSet<P>) -> Self {
+        Inner {
+            queue: Mutex::new(VecDeque::with_capacity(capacity)),
+            set: Arc::new(set),
+            capacity,
+            reserved: AtomicUsize::new(0),
+        }
+    }
+
+    /// See [`TcpCq::reserve`].
+    pub(crate) fn reserve(&self) -> Result<()> {
+        let cap = self.capacity;
+        self
             .reserved
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| (r < cap).then_some(r + 1))
             .map(|_| ())
@@ -61,42 +107,37 @@ impl TcpCq {
             })
     }
 
-    /// Gives back a slot whose operation completed without a completion entry.
+    /// See [`TcpCq::unreserve`].
     pub(crate) fn unreserve(&self) {
-        self.inner.reserved.fetch_sub(1, Ordering::AcqRel);
+        self.reserved.fetch_sub(1, Ordering::AcqRel);
     }
 
-    /// Delivers a completion into a slot reserved earlier.
+    /// See [`TcpCq::push`].
     pub(crate) fn push(&self, c: Completion) {
-        let mut q = self.inner.queue.lock().expect("cq poisoned");
+        let mut q = self.queue.lock().expect("cq poisoned");
         q.push_back(c);
         drop(q);
-        self.inner.set.wake();
+        self.set.wake();
     }
 
-    /// The poll set of this queue's endpoints.
-    pub(crate) fn set(&self) -> &Arc<PollSet> {
-        &self.inner.set
-    }
-}
-
-impl CompletionQueue for TcpCq {
-    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+    /// See [`CompletionQueue::poll`].
+    pub(crate) fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
         // Progress first, without blocking: a zero-timeout look at the sockets (skipped
         // when another thread is polling them: it does the work).
-        self.inner.set.run_now();
-        let mut q = self.inner.queue.lock().expect("cq poisoned");
+        self.set.run_now();
+        let mut q = self.queue.lock().expect("cq poisoned");
         let n = q.len().min(max);
         out.extend(q.drain(..n));
         drop(q);
-        self.inner.reserved.fetch_sub(n, Ordering::AcqRel);
+        self.reserved.fetch_sub(n, Ordering::AcqRel);
         Ok(n)
     }
 
-    fn wait(&self, timeout: Duration) -> Result<bool> {
+    /// See [`CompletionQueue::wait`].
+    pub(crate) fn wait(&self, timeout: Duration) -> Result<bool> {
         let deadline = Instant::now() + timeout;
         loop {
-            if !self.inner.queue.lock().expect("cq poisoned").is_empty() {
+            if !self.queue.lock().expect("cq poisoned").is_empty() {
                 return Ok(true);
             }
             let now = Instant::now();
@@ -106,18 +147,14 @@ impl CompletionQueue for TcpCq {
             // Sleeps in epoll_wait on this queue's sockets and its waker (a completion
             // produced elsewhere wakes it); `push` checks for sleepers after queueing, and
             // the queue is re-checked here after every wake-up, so none is lost.
-            self.inner.set.run_unless(Some(deadline - now), || {
-                !self.inner.queue.lock().expect("cq poisoned").is_empty()
+            self.set.run_unless(Some(deadline - now), || {
+                !self.queue.lock().expect("cq poisoned").is_empty()
             });
         }
     }
-
-    fn capacity(&self) -> usize {
-        self.inner.capacity
-    }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use fabric_api::{Opcode, Status};

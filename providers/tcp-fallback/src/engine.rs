@@ -11,19 +11,23 @@
 //!   zero-timeout `epoll_wait` and makes progress on whatever is ready, and `wait` sleeps in
 //!   it, so a waiting application is woken by the socket directly, with no hand-off.
 //!
-//! Whoever sees a connection ready calls the connection's `progress`,
+//! Whoever sees a connection ready calls [`Conn::progress`](crate::conn::Conn::progress),
 //! which is serialised per connection with a try-lock and a "more to do" flag: a second
 //! caller never waits, and no readiness is lost. Posting threads write straight to the
 //! socket when it has room. In progress mode `manual` there is no thread: progress happens
 //! only inside the application's `poll` and `wait` (and posts), as with libfabric's
 //! `FI_PROGRESS_MANUAL`.
+//!
+//! What a poll set sleeps in is behind [`Poller`] (mio's `epoll` here), so that the loom
+//! models (`loom_models`, see [`sync`]) can run the real sleep / wake protocol over a
+//! model event.
 
 use std::collections::HashMap;
 use std::io;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -31,11 +35,16 @@ use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
 
 use crate::conn::Conn;
+use sync::{AtomicUsize, Mutex};
+
+// The module's own file sits next to this one (`src/sync.rs`).
+#[path = "sync.rs"]
+pub(crate) mod sync;
 
 /// The waker's token in every poll set; connection tokens start above it.
 pub(crate) const WAKER: Token = Token(0);
 
-static NEXT_TOKEN: AtomicUsize = AtomicUsize::new(1);
+static NEXT_TOKEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
 
 /// A process-unique token for a new connection.
 pub(crate) fn next_token() -> Token {
@@ -54,12 +63,37 @@ pub enum ProgressMode {
     Manual,
 }
 
+/// What a poll set's threads sleep in, and how another thread wakes the sleeper: mio's
+/// `epoll` instance and waker; a model event in the loom models.
+pub(crate) trait Poller: std::fmt::Debug {
+    /// Watches sockets (used without the poll set's lock).
+    type Registry: std::fmt::Debug;
+    /// Wakes a thread in [`wait`](Self::wait) (used without the poll set's lock).
+    type Waker: std::fmt::Debug;
+    /// Waits up to `timeout` (`None`: no limit; zero: only looks) for readiness or a
+    /// wake-up. A wake-up while no thread waits is kept for the next wait.
+    fn wait(&mut self, events: &mut Events, timeout: Option<Duration>) -> io::Result<()>;
+    /// Wakes the thread in `wait`, or the next one.
+    fn wake(waker: &Self::Waker) -> io::Result<()>;
+}
+
+impl Poller for Poll {
+    type Registry = Registry;
+    type Waker = Waker;
+    fn wait(&mut self, events: &mut Events, timeout: Option<Duration>) -> io::Result<()> {
+        self.poll(events, timeout)
+    }
+    fn wake(waker: &Waker) -> io::Result<()> {
+        waker.wake()
+    }
+}
+
 /// A set of connections watched by one `epoll` instance, with a waker.
 #[derive(Debug)]
-pub(crate) struct PollSet {
-    poll: Mutex<Poll>,
-    registry: Registry,
-    waker: Waker,
+pub(crate) struct PollSet<P: Poller = Poll> {
+    poll: Mutex<P>,
+    registry: P::Registry,
+    waker: P::Waker,
     conns: Mutex<HashMap<Token, Weak<Conn>>>,
     /// Threads inside `epoll_wait` on this set (wake them when something else completes).
     pub sleepers: AtomicUsize,
@@ -70,13 +104,7 @@ impl PollSet {
         let poll = Poll::new()?;
         let registry = poll.registry().try_clone()?;
         let waker = Waker::new(&registry, WAKER)?;
-        Ok(PollSet {
-            poll: Mutex::new(poll),
-            registry,
-            waker,
-            conns: Mutex::new(HashMap::new()),
-            sleepers: AtomicUsize::new(0),
-        })
+        Ok(PollSet::with(poll, registry, waker))
     }
 
     /// Watches `conn`'s socket for input and output readiness.
@@ -101,11 +129,24 @@ impl PollSet {
             let _ = self.registry.deregister(&mut SourceFd(&sock.as_raw_fd()));
         }
     }
+}
+
+impl<P: Poller> PollSet<P> {
+    /// A poll set sleeping in `poll`.
+    pub fn with(poll: P, registry: P::Registry, waker: P::Waker) -> PollSet<P> {
+        PollSet {
+            poll: Mutex::new(poll),
+            registry,
+            waker,
+            conns: Mutex::new(HashMap::new()),
+            sleepers: AtomicUsize::new(0),
+        }
+    }
 
     /// Wakes a thread sleeping in this set (call after making the change it waits for).
     pub fn wake(&self) {
         if self.sleepers.load(Ordering::SeqCst) > 0 {
-            let _ = self.waker.wake();
+            let _ = P::wake(&self.waker);
         }
     }
 
@@ -131,9 +172,9 @@ impl PollSet {
         self.dispatch(&mut poll, timeout);
     }
 
-    fn dispatch(&self, poll: &mut std::sync::MutexGuard<'_, Poll>, timeout: Option<Duration>) {
+    fn dispatch(&self, poll: &mut P, timeout: Option<Duration>) {
         let mut events = Events::with_capacity(64);
-        let res = poll.poll(&mut events, timeout);
+        let res = poll.wait(&mut events, timeout);
         if timeout != Some(Duration::ZERO) {
             self.sleepers.fetch_sub(1, Ordering::SeqCst);
         }

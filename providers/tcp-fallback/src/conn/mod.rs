@@ -288,21 +288,13 @@ impl Conn {
     /// arrived, until the socket would block (or the receive side waits for room).
     /// Serialised per connection without blocking: a caller that finds another thread at
     /// work leaves it a note, and that thread goes round once more.
+    /// (The protocol is [`serialised`](crate::engine::sync::serialised); a loom model
+    /// checks it.)
     pub fn progress(&self) {
-        self.rx_pending.store(true, AtomicOrdering::SeqCst);
-        loop {
-            let Ok(mut rx) = self.rx.try_lock() else {
-                return;
-            };
-            while self.rx_pending.swap(false, AtomicOrdering::SeqCst) {
-                self.flush_tx();
-                self.rx_step(&mut rx);
-            }
-            drop(rx);
-            if !self.rx_pending.load(AtomicOrdering::SeqCst) {
-                return;
-            }
-        }
+        crate::engine::sync::serialised(&self.rx, &self.rx_pending, |rx| {
+            self.flush_tx();
+            self.rx_step(rx);
+        });
     }
 
     /// Writes what the socket takes of the transmit queue, then marks what went out.

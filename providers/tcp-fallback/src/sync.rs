@@ -1,0 +1,102 @@
+//! The locks and atomics of the provider's two lock-free-ish protocols, and the second of
+//! them as one function:
+//!
+//! * a poll set's sleep / wake protocol ([`crate::engine::PollSet`]) and the completion
+//!   queue built on it ([`crate::cq`]): under `--cfg loom` their mutexes and atomics are
+//!   loom's, so the models in `loom_models` explore every interleaving of the real code;
+//! * [`serialised`], the try-lock and "more to do" flag that serialises a connection's
+//!   progress without ever making a caller wait.
+//!
+//! Run the models with:
+//!
+//! ```sh
+//! CARGO_TARGET_DIR=target/loom RUSTFLAGS="--cfg loom" cargo test -p fabric-tcp --release --lib loom
+//! ```
+
+use std::sync::atomic::Ordering;
+
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::AtomicUsize;
+#[cfg(loom)]
+pub(crate) use loom::sync::Mutex;
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::AtomicUsize;
+#[cfg(not(loom))]
+pub(crate) use std::sync::Mutex;
+
+/// A mutex that can be tried without blocking: std's, and a loom one in the models.
+pub(crate) trait TryLock<T> {
+    /// Runs `f` on the value unless another thread holds the lock (a poisoned lock counts
+    /// as held: nobody makes progress on it any more).
+    fn try_with<R>(&self, f: impl FnOnce(&mut T) -> R) -> Option<R>;
+}
+
+impl<T> TryLock<T> for std::sync::Mutex<T> {
+    fn try_with<R>(&self, f: impl FnOnce(&mut T) -> R) -> Option<R> {
+        self.try_lock().ok().map(|mut g| f(&mut g))
+    }
+}
+
+/// A "more to do" flag: std's `AtomicBool`, and loom's in the models. Sequentially
+/// consistent throughout.
+pub(crate) trait Flag {
+    /// Sets the flag (a read-modify-write: the same instruction as a sequentially
+    /// consistent store on x86, and one loom orders after every earlier write).
+    fn raise(&self);
+    /// Clears the flag; true if it was set.
+    fn take(&self) -> bool;
+    /// True if the flag is set.
+    fn raised(&self) -> bool;
+}
+
+impl Flag for std::sync::atomic::AtomicBool {
+    fn raise(&self) {
+        self.swap(true, Ordering::SeqCst);
+    }
+    fn take(&self) -> bool {
+        self.swap(false, Ordering::SeqCst)
+    }
+    fn raised(&self) -> bool {
+        self.load(Ordering::SeqCst)
+    }
+}
+
+#[cfg(loom)]
+impl Flag for loom::sync::atomic::AtomicBool {
+    fn raise(&self) {
+        self.swap(true, Ordering::SeqCst);
+    }
+    fn take(&self) -> bool {
+        self.swap(false, Ordering::SeqCst)
+    }
+    fn raised(&self) -> bool {
+        self.load(Ordering::SeqCst)
+    }
+}
+
+/// Runs `work` on the value behind `lock`, serialised, without waiting: a caller that
+/// finds another thread at work leaves it a note in `pending` and returns, and that
+/// thread goes round once more. So `work` never runs concurrently with itself, and every
+/// call is followed by a run of `work` that starts after the call did (none is lost).
+pub(crate) fn serialised<T>(
+    lock: &impl TryLock<T>,
+    pending: &impl Flag,
+    mut work: impl FnMut(&mut T),
+) {
+    pending.raise();
+    loop {
+        let ran = lock.try_with(|value| {
+            while pending.take() {
+                work(value);
+            }
+        });
+        if ran.is_none() {
+            return; // busy: the holder will see the note
+        }
+        // A note left after our last look but before we let go would be lost without
+        // this second look.
+        if !pending.raised() {
+            return;
+        }
+    }
+}
