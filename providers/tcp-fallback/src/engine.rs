@@ -37,9 +37,13 @@ use mio::{Events, Interest, Poll, Registry, Token, Waker};
 use crate::conn::Conn;
 use sync::{AtomicUsize, Mutex};
 
-// The module's own file sits next to this one (`src/sync.rs`).
+// The modules' own files sit next to this one (`src/sync.rs`, `src/loom_models.rs`).
 #[path = "sync.rs"]
 pub(crate) mod sync;
+
+#[cfg(all(test, loom))]
+#[path = "loom_models.rs"]
+mod loom_models;
 
 /// The waker's token in every poll set; connection tokens start above it.
 pub(crate) const WAKER: Token = Token(0);

@@ -1,0 +1,305 @@
+//! loom models of the provider's two lock-free-ish protocols, run on the real code:
+//!
+//! * the completion queue ([`crate::cq::Inner`]: `reserve`, `unreserve`, `push`, `poll`,
+//!   `wait`) and its poll set's sleep / wake protocol ([`PollSet::run_unless`],
+//!   [`PollSet::run_now`], [`PollSet::wake`]), with the `epoll` instance and its waker
+//!   replaced by a model event ([`ModelPoller`]): a waiter that finds the queue empty and
+//!   sleeps is always woken by a concurrent `push`, and reservations never let the queue
+//!   overrun;
+//! * connection progress ([`serialised`], what `Conn::progress` runs): every arrival of
+//!   work is handled by a run of the work function that starts after it arrived, and the
+//!   work function never runs concurrently with itself.
+//!
+//! Run with:
+//!
+//! ```sh
+//! CARGO_TARGET_DIR=target/loom RUSTFLAGS="--cfg loom" cargo test -p fabric-tcp --release --lib loom
+//! ```
+//!
+//! A lost wake-up leaves the waiter asleep for good (the model event has no timeout), so
+//! loom reports it as a deadlock; lost progress fails the final check of the progress
+//! models. Both were seen to fail that way with the protocol broken on purpose:
+//! `run_unless` sleeping without its re-check of `done`, or checking `done` before it
+//! counts itself a sleeper (deadlock at once); `serialised` without its second look at
+//! the flag after letting go (an arrival never handled).
+//!
+//! loom treats sequentially consistent accesses as acquire / release only, so the flag is
+//! raised with a swap (the same instruction as a sequentially consistent store on x86):
+//! with a plain store loom reports lost progress that the stronger ordering rules out.
+
+use std::io;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use loom::sync::atomic::{AtomicBool, AtomicUsize};
+use loom::sync::{Condvar, Mutex};
+use loom::thread;
+use mio::Events;
+
+use fabric_api::{Completion, ErrorKind, Opcode, Status};
+
+use super::sync::{serialised, TryLock};
+use super::{PollSet, Poller};
+use crate::cq::Inner;
+
+/// The model of an `epoll` instance's waker: set by a wake, cleared by the next wait
+/// (edge-triggered `eventfd`: a wake while nobody waits is seen by the next wait).
+#[derive(Debug, Default)]
+struct Event {
+    set: Mutex<bool>,
+    cv: Condvar,
+}
+
+/// The model of an `epoll` instance with no sockets, only a waker. A wait with a timeout
+/// other than zero lasts until a wake (loom has no clock): one that a real `epoll_wait`
+/// would only end by timing out is a lost wake-up, and shows as a deadlock.
+#[derive(Debug)]
+struct ModelPoller(Arc<Event>);
+
+impl Poller for ModelPoller {
+    type Registry = ();
+    type Waker = Arc<Event>;
+
+    fn wait(&mut self, _events: &mut Events, timeout: Option<Duration>) -> io::Result<()> {
+        let mut set = self.0.set.lock().unwrap();
+        if timeout != Some(Duration::ZERO) {
+            while !*set {
+                set = self.0.cv.wait(set).unwrap();
+            }
+        }
+        *set = false;
+        Ok(())
+    }
+
+    fn wake(waker: &Arc<Event>) -> io::Result<()> {
+        *waker.set.lock().unwrap() = true;
+        waker.cv.notify_one();
+        Ok(())
+    }
+}
+
+type Cq = Inner<ModelPoller>;
+
+/// A completion queue of `capacity` entries over a model event.
+fn cq(capacity: usize) -> Arc<Cq> {
+    EXECUTIONS.fetch_add(1, Ordering::Relaxed);
+    let event = Arc::new(Event::default());
+    let set = PollSet::with(ModelPoller(event.clone()), (), event);
+    Arc::new(Inner::new(capacity, set))
+}
+
+fn c(context: u64) -> Completion {
+    Completion {
+        context,
+        opcode: Opcode::Send,
+        status: Status::Success,
+        provider_code: None,
+        byte_len: 0,
+        imm: None,
+    }
+}
+
+/// Longer than any model runs: a wait that ends by its deadline is a lost wake-up.
+const FOREVER: Duration = Duration::from_secs(3600);
+
+/// Executions explored (instrumentation, not a loom object).
+static EXECUTIONS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Runs `model` under loom (bounded to `preemptions` if given) and prints how many
+/// executions it explored and how long that took.
+fn explore(name: &str, preemptions: Option<usize>, model: impl Fn() + Sync + Send + 'static) {
+    let e0 = EXECUTIONS.load(Ordering::Relaxed);
+    let t0 = Instant::now();
+    let mut b = loom::model::Builder::new();
+    if preemptions.is_some() {
+        b.preemption_bound = preemptions;
+    }
+    b.check(model);
+    println!(
+        "{name}: {} executions in {:.1?}",
+        EXECUTIONS.load(Ordering::Relaxed) - e0,
+        t0.elapsed()
+    );
+}
+
+#[test]
+fn loom_cq_wait_is_woken_by_push() {
+    // The application waits on an empty queue while the engine pushes a completion and
+    // another application thread polls (its zero-timeout look competes for the poll set
+    // and can take a wake-up meant for nobody).
+    explore("cq: wait against push and poll", None, || {
+        let cq = cq(2);
+        let pusher = {
+            let cq = cq.clone();
+            thread::spawn(move || {
+                cq.reserve().unwrap();
+                cq.push(c(1));
+            })
+        };
+        let poller = {
+            let cq = cq.clone();
+            thread::spawn(move || {
+                let mut out = Vec::new();
+                cq.poll(&mut out, 0).unwrap();
+            })
+        };
+        assert!(cq.wait(FOREVER).unwrap(), "the wait timed out");
+        let mut out = Vec::new();
+        assert_eq!(cq.poll(&mut out, 8).unwrap(), 1);
+        pusher.join().unwrap();
+        poller.join().unwrap();
+    });
+}
+
+#[test]
+fn loom_cq_waits_again_after_a_stale_wake() {
+    // Two completions pushed one after the other, each awaited: the second wait can find
+    // the first push's wake-up still set, wake early and must sleep again.
+    explore("cq: two waits against two pushes", None, || {
+        let cq = cq(2);
+        let pusher = {
+            let cq = cq.clone();
+            thread::spawn(move || {
+                for i in 0..2 {
+                    cq.reserve().unwrap();
+                    cq.push(c(i));
+                }
+            })
+        };
+        let mut out = Vec::new();
+        while out.len() < 2 {
+            assert!(cq.wait(FOREVER).unwrap(), "the wait timed out");
+            cq.poll(&mut out, 1).unwrap();
+        }
+        assert_eq!(out.iter().map(|c| c.context).collect::<Vec<_>>(), [0, 1]);
+        pusher.join().unwrap();
+    });
+}
+
+#[test]
+fn loom_cq_reservations_never_overrun() {
+    // A queue of one entry: two posters reserve concurrently (one of them posts an
+    // operation that completes without an entry) while the application polls.
+    explore("cq: two posters against a poll", None, || {
+        let cq = cq(1);
+        let posters: Vec<_> = (0..2u64)
+            .map(|i| {
+                let cq = cq.clone();
+                thread::spawn(move || match cq.reserve() {
+                    Ok(()) if i == 0 => {
+                        cq.push(c(i));
+                        1
+                    }
+                    Ok(()) => {
+                        cq.unreserve();
+                        0
+                    }
+                    Err(e) => {
+                        assert_eq!(e.kind(), ErrorKind::QueueFull);
+                        0
+                    }
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        assert!(cq.poll(&mut out, usize::MAX).unwrap() <= 1, "overrun");
+        let pushed: usize = posters.into_iter().map(|t| t.join().unwrap()).sum();
+        assert!(cq.poll(&mut out, usize::MAX).unwrap() <= 1, "overrun");
+        assert_eq!(out.len(), pushed);
+        // Every slot came back: one reservation, not two.
+        cq.reserve().unwrap();
+        assert_eq!(cq.reserve().unwrap_err().kind(), ErrorKind::QueueFull);
+    });
+}
+
+/// A loom mutex whose release another thread's `try_lock` can come just before. loom's
+/// own release is no scheduling point; std's is an atomic swap on the lock word, as its
+/// `try_lock` is a compare-exchange there: `word` stands for it, with relaxed accesses
+/// (they order nothing, so loom explores that interleaving without adding any ordering).
+#[derive(Debug, Default)]
+struct ModelLock<T> {
+    m: Mutex<T>,
+    word: AtomicUsize,
+}
+
+impl<T> TryLock<T> for ModelLock<T> {
+    fn try_with<R>(&self, f: impl FnOnce(&mut T) -> R) -> Option<R> {
+        self.word.fetch_add(1, Ordering::Relaxed);
+        let mut g = self.m.try_lock().ok()?;
+        let r = f(&mut g);
+        self.word.fetch_add(1, Ordering::Relaxed);
+        drop(g);
+        Some(r)
+    }
+}
+
+/// A connection reduced to its progress protocol: the receive machine behind a try-lock,
+/// the "more to do" flag, and a socket that work arrives on.
+#[derive(Debug, Default)]
+struct Progress {
+    /// The receive machine: how much arrived work it has handled.
+    rx: ModelLock<usize>,
+    pending: AtomicBool,
+    /// Work arrived on the socket so far.
+    arrived: AtomicUsize,
+    /// A run of the work function is under way (to catch two at once).
+    running: AtomicBool,
+}
+
+impl Progress {
+    /// Work arrives and this thread, seeing it, makes progress (as `Conn::progress`).
+    fn arrive_and_progress(&self) {
+        self.arrived.fetch_add(1, Ordering::SeqCst);
+        serialised(&self.rx, &self.pending, |handled| {
+            assert!(
+                !self.running.swap(true, Ordering::SeqCst),
+                "the work function ran on two threads at once"
+            );
+            *handled = self.arrived.load(Ordering::SeqCst);
+            self.running.store(false, Ordering::SeqCst);
+        });
+    }
+}
+
+/// `threads` threads (the model's own included) each see `arrivals` arrivals of work in
+/// turn; once they are done every arrival must have been handled.
+fn progress_model(threads: usize, arrivals: usize) -> impl Fn() + Sync + Send + 'static {
+    move || {
+        EXECUTIONS.fetch_add(1, Ordering::Relaxed);
+        let p = Arc::new(Progress::default());
+        let others: Vec<_> = (1..threads)
+            .map(|_| {
+                let p = p.clone();
+                thread::spawn(move || (0..arrivals).for_each(|_| p.arrive_and_progress()))
+            })
+            .collect();
+        (0..arrivals).for_each(|_| p.arrive_and_progress());
+        others.into_iter().for_each(|t| t.join().unwrap());
+        assert_eq!(
+            *p.rx.m.lock().unwrap(),
+            threads * arrivals,
+            "an arrival of work was never handled"
+        );
+    }
+}
+
+#[test]
+fn loom_progress_two_threads() {
+    // Bounded to three preemptions (the unbounded space takes many minutes).
+    explore(
+        "progress: 2 threads, 2 arrivals each",
+        Some(3),
+        progress_model(2, 2),
+    );
+}
+
+#[test]
+fn loom_progress_three_threads() {
+    // Bounded to three preemptions (the unbounded space takes many minutes).
+    explore(
+        "progress: 3 threads, 1 arrival each",
+        Some(3),
+        progress_model(3, 1),
+    );
+}
