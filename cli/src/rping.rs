@@ -262,6 +262,15 @@ fn server(domain: &AnyDomain, s: Side, args: &RpingArgs) -> Result<ExitCode, Str
     println!(
         "rping server: {served} pings served (RDMA read from and write to the client each time)"
     );
+    // As rping's own server: the client ends the session. Closing first races the client's
+    // last receive against its disconnect event (rping's client reports the disconnect as
+    // an error if it comes first), so wait for the client to go, within a bound.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while s.ep.state() == fabric::prelude::EndpointState::Connected
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     Ok(ExitCode::SUCCESS)
 }
 
