@@ -11,15 +11,15 @@
 //!   zero-timeout `epoll_wait` and makes progress on whatever is ready, and `wait` sleeps in
 //!   it, so a waiting application is woken by the socket directly, with no hand-off.
 //!
-//! Whoever sees a connection ready calls [`Conn::progress`](crate::conn::Conn::progress),
+//! Whoever sees a connection ready calls the connection's `progress`,
 //! which is serialised per connection with a try-lock and a "more to do" flag: a second
 //! caller never waits, and no readiness is lost. Posting threads write straight to the
 //! socket when it has room. In progress mode `manual` there is no thread: progress happens
 //! only inside the application's `poll` and `wait` (and posts), as with libfabric's
 //! `FI_PROGRESS_MANUAL`.
 //!
-//! What a poll set sleeps in is behind [`Poller`] (mio's `epoll` here), so that the loom
-//! models (`loom_models`, see [`sync`]) can run the real sleep / wake protocol over a
+//! What a poll set sleeps in is behind the `Poller` trait (mio's `epoll` here), so that the loom
+//! models (`loom_models`, see `sync`) can run the real sleep / wake protocol over a
 //! model event.
 
 use std::collections::HashMap;
