@@ -149,6 +149,12 @@ impl<P: Poller> PollSet<P> {
 
     /// Wakes a thread sleeping in this set (call after making the change it waits for).
     pub fn wake(&self) {
+        // The caller's change (a queued completion, a stop flag: often a plain release
+        // store) must be visible before we look for sleepers, or a sleeper that counts
+        // itself and then looks at the change could miss both: a store may otherwise pass
+        // the load below (x86's store buffer does exactly that). Paired with the fence in
+        // `run_unless`.
+        std::sync::atomic::fence(Ordering::SeqCst);
         if self.sleepers.load(Ordering::SeqCst) > 0 {
             let _ = P::wake(&self.waker);
         }
@@ -169,6 +175,9 @@ impl<P: Poller> PollSet<P> {
     pub fn run_unless(&self, timeout: Option<Duration>, done: impl Fn() -> bool) {
         let mut poll = self.poll.lock().expect("poll set poisoned");
         self.sleepers.fetch_add(1, Ordering::SeqCst);
+        // Paired with the fence in `wake`: either the waker sees this sleeper, or this
+        // thread sees the waker's change.
+        std::sync::atomic::fence(Ordering::SeqCst);
         if done() {
             self.sleepers.fetch_sub(1, Ordering::SeqCst);
             return;
@@ -250,7 +259,7 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
+        self.stop.store(true, Ordering::SeqCst);
         self.set.wake();
         if let Some(t) = self.thread.lock().expect("engine poisoned").take() {
             // The last endpoint can be dropped by the progress thread itself (it held the

@@ -84,6 +84,10 @@ pub(crate) fn serialised<T>(
     mut work: impl FnMut(&mut T),
 ) {
     pending.raise();
+    // A failed try-lock orders nothing: the fences make "raise the note, then find the lock
+    // taken" and "let the lock go, then look for a note" a store-load pair that cannot both
+    // miss (Dekker), on every architecture, not only on x86 where the RMWs already fence.
+    fence();
     loop {
         let ran = lock.try_with(|value| {
             while pending.take() {
@@ -93,10 +97,19 @@ pub(crate) fn serialised<T>(
         if ran.is_none() {
             return; // busy: the holder will see the note
         }
+        fence();
         // A note left after our last look but before we let go would be lost without
         // this second look.
         if !pending.raised() {
             return;
         }
     }
+}
+
+/// A sequentially consistent fence (loom's under `cfg(loom)`).
+fn fence() {
+    #[cfg(not(loom))]
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    #[cfg(loom)]
+    loom::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
 }

@@ -294,6 +294,8 @@ impl Conn {
         crate::engine::sync::serialised(&self.rx, &self.rx_pending, |rx| {
             self.flush_tx();
             self.rx_step(rx);
+            // What the receive side queued (responses, acks) goes out now.
+            self.flush_tx();
         });
     }
 
@@ -799,9 +801,15 @@ impl Conn {
             return;
         }
         tx.inbound += u32::from(m.inbound);
+        let inbound = m.inbound;
         tx.queue.push_back(Queued::Msg(m));
-        if tx.queue.len() > 1 {
-            return; // behind others: whoever flushes them goes on with it
+        // Behind others: whoever flushes them goes on with it. A response is queued by the
+        // receive machine, which flushes once it has handled what arrived: streaming it
+        // here would hold the machine while the peer drains it, and the peer's next
+        // requests would be read only as fast as responses leave (so a flood beyond the
+        // IRD would be answered, not refused).
+        if tx.queue.len() > 1 || inbound {
+            return;
         }
         // Alone in the queue (a large message): start it now, without blocking.
         let done = tx.flush(&self.sock, self.max_seg, self.neg.crc);
