@@ -976,22 +976,7 @@ impl EpCore {
             self.send_cq.release_internal(1);
             return false;
         }
-        let at = l.sq.len() - l.pending;
-        l.sq.insert(
-            at,
-            SqRec {
-                seq,
-                wr: None,
-                grouped: false,
-                user: None,
-                internal: true,
-                is_send: false,
-                failed: None,
-                group_err: None,
-                _holds: Vec::new(),
-            },
-        );
-        l.hw_sq += 1;
+        Self::record_internal(l, seq);
         l.probe = Some(seq);
         true
     }
@@ -1129,6 +1114,27 @@ impl EpCore {
         false
     }
 
+    /// Records an internal request the device now holds (credit update, liveness probe):
+    /// ahead of the application requests still held back, so completions stay in order.
+    fn record_internal(l: &mut Ledger, seq: u64) {
+        let at = l.sq.len() - l.pending;
+        l.sq.insert(
+            at,
+            SqRec {
+                seq,
+                wr: None,
+                grouped: false,
+                user: None,
+                internal: true,
+                is_send: false,
+                failed: None,
+                group_err: None,
+                _holds: Vec::new(),
+            },
+        );
+        l.hw_sq += 1;
+    }
+
     /// Writes `value` into the peer's credit area at `off` (an internal record, posted
     /// ahead of held-back application requests). Needs an internal slot already reserved.
     fn post_credit(&self, l: &mut Ledger, off: usize, value: u64) -> bool {
@@ -1157,22 +1163,7 @@ impl EpCore {
             tracing::debug!("credit update failed: {e}");
             return false;
         }
-        let at = l.sq.len() - l.pending;
-        l.sq.insert(
-            at,
-            SqRec {
-                seq,
-                wr: None,
-                grouped: false,
-                user: None,
-                internal: true,
-                is_send: false,
-                failed: None,
-                group_err: None,
-                _holds: Vec::new(),
-            },
-        );
-        l.hw_sq += 1;
+        Self::record_internal(l, seq);
         if off == credit::POSTED && value == l.recvs_posted {
             l.credit_dirty = false;
         }

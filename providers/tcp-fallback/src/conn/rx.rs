@@ -283,7 +283,14 @@ impl Conn {
                     _ => None,
                 };
                 tracing::debug!(peer = %self.peer, "connection ended: {end:?}");
-                self.enter_error(&mut st, head, EndpointState::Disconnected);
+                // A dead peer (RetryExceeded) is an error completion: the endpoint is in
+                // the error state (semantics.md section 6); an ended stream is a disconnect.
+                let status = if head.is_some() {
+                    EndpointState::Error
+                } else {
+                    EndpointState::Disconnected
+                };
+                self.enter_error(&mut st, head, status);
                 drop(st);
                 self.close_tx(false);
             }
