@@ -154,20 +154,26 @@ impl<P: Poller> Inner<P> {
     }
 }
 
+/// A successful send completion with `context`: what the unit tests and the loom models
+/// push.
+#[cfg(any(test, loom))]
+pub(crate) fn sent(context: u64) -> Completion {
+    Completion {
+        context,
+        opcode: fabric_api::Opcode::Send,
+        status: fabric_api::Status::Success,
+        provider_code: None,
+        byte_len: 0,
+        imm: None,
+    }
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
-    use fabric_api::{Opcode, Status};
 
     fn c(context: u64) -> Completion {
-        Completion {
-            context,
-            opcode: Opcode::Send,
-            status: Status::Success,
-            provider_code: None,
-            byte_len: 0,
-            imm: None,
-        }
+        sent(context)
     }
 
     #[test]

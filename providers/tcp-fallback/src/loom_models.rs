@@ -37,7 +37,7 @@ use loom::sync::{Condvar, Mutex};
 use loom::thread;
 use mio::Events;
 
-use fabric_api::{Completion, ErrorKind, Opcode, Status};
+use fabric_api::{Completion, ErrorKind};
 
 use super::sync::{serialised, TryLock};
 use super::{PollSet, Poller};
@@ -90,14 +90,7 @@ fn cq(capacity: usize) -> Arc<Cq> {
 }
 
 fn c(context: u64) -> Completion {
-    Completion {
-        context,
-        opcode: Opcode::Send,
-        status: Status::Success,
-        provider_code: None,
-        byte_len: 0,
-        imm: None,
-    }
+    crate::cq::sent(context)
 }
 
 /// Longer than any model runs: a wait that ends by its deadline is a lost wake-up.
