@@ -226,6 +226,8 @@ impl DeviceFacts {
 /// Why no device could be listed at all.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ProbeError {
+    /// rdma-core itself could not be loaded (not installed, or too old).
+    NoLibrary(crate::LoadError),
     /// libibverbs could not list devices (no kernel RDMA support: `/sys/class/infiniband_verbs` absent).
     NoKernelSupport(String),
     /// The kernel has RDMA devices but rdma-core has no user-space driver for them.
@@ -236,6 +238,7 @@ impl ProbeError {
     /// The reason in words.
     pub fn reason(&self) -> String {
         match self {
+            ProbeError::NoLibrary(e) => e.to_string(),
             ProbeError::NoKernelSupport(e) => format!("no RDMA devices: libibverbs cannot list devices ({e}); this kernel has no RDMA support loaded (no /sys/class/infiniband_verbs)"),
             ProbeError::NoUserDriver(names) => format!("rdma-core has no user-space driver for the kernel's RDMA devices {} (install ibverbs-providers)", names.join(", ")),
         }
@@ -268,6 +271,7 @@ fn netdev_by_mac(mac: &[u8]) -> Option<String> {
 
 /// Lists every RDMA device with everything discovery needs.
 pub fn probe() -> Result<Vec<DeviceFacts>, ProbeError> {
+    crate::rdma_core().map_err(ProbeError::NoLibrary)?;
     let raw = match ffi::probe_devices() {
         Ok(r) => r,
         Err(e) => return Err(ProbeError::NoKernelSupport(e.to_string())),

@@ -17,7 +17,7 @@ use std::ptr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rdma_sys as sys;
+use crate::sys;
 
 /// The last OS error as an [`io::Error`].
 fn last_err() -> io::Error {

@@ -120,6 +120,8 @@ pub mod gid;
 mod loom_models;
 pub mod status;
 mod sync;
+#[allow(unsafe_code)]
+mod sys;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -132,6 +134,7 @@ pub use device::{DeviceFacts, LinkLayer, PortFacts, ProbeError, Transport};
 pub use domain::{provider_info, VerbsDomain, VerbsListener};
 pub use ep::VerbsEndpoint;
 pub use gid::{Gid, GidEntry, GidKind};
+pub use sys::{rdma_core, LoadError, RdmaCore, LIBIBVERBS, LIBRDMACM};
 
 /// What one provider built on the core is: which devices it takes and how it uses them.
 pub trait Flavor: Send + Sync + fmt::Debug + 'static {
