@@ -4,6 +4,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -316,6 +317,9 @@ pub struct Pair {
     pub b: AnyEndpoint,
 }
 
+/// How long one `accept` call of [`connect_accept`] waits before it looks at the connect.
+const ACCEPT_SLICE: Duration = Duration::from_millis(100);
+
 /// Connects `client` to `listener` and accepts it, concurrently; returns (connected, accepted).
 fn connect_accept(
     listener: &AnyListener,
@@ -325,9 +329,32 @@ fn connect_accept(
     timeout: Duration,
 ) -> Result<(AnyEndpoint, AnyEndpoint), String> {
     let addr = listener.local_addr();
+    let connect_failed = AtomicBool::new(false);
     let (c, s) = std::thread::scope(|s| {
-        let h = s.spawn(|| client.connect(addr, client_cfg));
-        let accepted = listener.accept(server_cfg, timeout);
+        let h = s.spawn(|| {
+            let r = client.connect(addr, client_cfg);
+            connect_failed.store(r.is_err(), Ordering::Release);
+            r
+        });
+        // Accept in slices, so that a connect refused at once (bad private data, nobody
+        // listening) ends the wait instead of costing the whole timeout.
+        let deadline = Instant::now() + timeout;
+        let accepted = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match listener.accept(server_cfg, left.min(ACCEPT_SLICE)) {
+                Err(e)
+                    if e.kind() == ErrorKind::TimedOut
+                        && !left.is_zero()
+                        && !connect_failed.load(Ordering::Acquire) => {}
+                Err(e) if e.kind() == ErrorKind::TimedOut => {
+                    break Err(fabric::Error::new(
+                        ErrorKind::TimedOut,
+                        format!("no connection request within {timeout:?}"),
+                    ))
+                }
+                r => break r,
+            }
+        };
         (h.join().expect("connect thread"), accepted)
     });
     Ok((
@@ -609,9 +636,11 @@ pub fn run_case(ctx: &Ctx, case: &Case) -> CaseResult {
         let c2 = ctx.clone();
         let case = *case;
         let declared = info.caps.ops & target_info.caps.ops;
+        let (tid_tx, tid_rx) = mpsc::channel();
         std::thread::Builder::new()
             .name(format!("case {}", case.name))
             .spawn(move || {
+                let _ = tid_tx.send(this_thread_id());
                 let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
                     match gate(&c2, case.needs, declared) {
                         Some(outcome) => outcome,
@@ -638,7 +667,13 @@ pub fn run_case(ctx: &Ctx, case: &Case) -> CaseResult {
                     .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                     .unwrap_or_default()
             )),
-            Err(_) => Outcome::Fail(format!("did not finish within {CASE_LIMIT:?} (hang)")),
+            Err(_) => {
+                let tid = tid_rx.try_recv().ok().flatten();
+                Outcome::Fail(format!(
+                    "did not finish within {CASE_LIMIT:?} (hang){}",
+                    hang_diagnosis(case.name, tid)
+                ))
+            }
         }
     };
     let detail = match &outcome {
@@ -652,5 +687,78 @@ pub fn run_case(ctx: &Ctx, case: &Case) -> CaseResult {
         outcome: outcome.as_str().to_string(),
         detail,
         seconds: start.elapsed().as_secs_f64(),
+    }
+}
+
+/// The kernel's id of the calling thread (`/proc/thread-self` names it), if readable.
+fn this_thread_id() -> Option<u32> {
+    let link = std::fs::read_link("/proc/thread-self").ok()?;
+    link.file_name()?.to_str()?.parse().ok()
+}
+
+/// What a hung case was doing: where its thread sleeps in the kernel (wchan and, when the
+/// harness runs as root, the kernel stack) goes into the result; every thread's user
+/// stack (gdb, when installed) goes to stderr, so that a hang seen once in CI names its
+/// cause instead of a timeout.
+fn hang_diagnosis(case: &str, tid: Option<u32>) -> String {
+    let mut out = String::new();
+    if let Some(tid) = tid {
+        let task = format!("/proc/self/task/{tid}");
+        let wchan = std::fs::read_to_string(format!("{task}/wchan")).unwrap_or_default();
+        if !wchan.is_empty() && wchan != "0" {
+            out.push_str(&format!("; the case thread sleeps in {wchan}"));
+        }
+        if let Ok(stack) = std::fs::read_to_string(format!("{task}/stack")) {
+            let frames: Vec<&str> = stack
+                .lines()
+                .filter_map(|l| l.split_whitespace().nth(1))
+                .take(8)
+                .collect();
+            if !frames.is_empty() {
+                out.push_str(&format!(" (kernel stack: {})", frames.join(" < ")));
+            }
+        }
+    }
+    let pid = std::process::id().to_string();
+    match std::process::Command::new("gdb")
+        .args(["-batch", "-nx", "-p", &pid, "-ex", "thread apply all bt 24"])
+        .stdin(std::process::Stdio::null())
+        .output()
+    {
+        Ok(o) => {
+            eprintln!(
+                "== {case} hung: the stacks of every thread (gdb)\n{}",
+                String::from_utf8_lossy(&o.stdout)
+            );
+            out.push_str("; every thread's stack is on stderr");
+        }
+        Err(e) => out.push_str(&format!("; no thread stacks (gdb: {e})")),
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hang_names_where_the_thread_sleeps() {
+        let (tx, rx) = mpsc::channel::<()>();
+        let (tid_tx, tid_rx) = mpsc::channel();
+        let t = std::thread::spawn(move || {
+            let _ = tid_tx.send(this_thread_id());
+            let _ = rx.recv();
+        });
+        let tid = tid_rx.recv().unwrap();
+        assert!(tid.is_some(), "/proc/thread-self gave no thread id");
+        std::thread::sleep(Duration::from_millis(50));
+        let d = hang_diagnosis("unit", tid);
+        assert!(d.contains("sleeps in"), "{d}");
+        assert!(
+            d.contains("stderr") || d.contains("no thread stacks"),
+            "{d}"
+        );
+        drop(tx);
+        t.join().unwrap();
     }
 }
