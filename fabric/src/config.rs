@@ -47,14 +47,59 @@ use std::path::Path;
 
 use fabric_api::{Availability, Error, ErrorKind, OpSet, ProviderInfo, Result};
 use fabric_hook::{FaultConfig, HookConfig};
+#[cfg(feature = "verbs")]
 use fabric_ib::IbDomain;
+#[cfg(feature = "verbs")]
 use fabric_iwarp::IwarpDomain;
+#[cfg(feature = "verbs")]
 use fabric_roce::RoceDomain;
 use fabric_tcp::{TcpDomain, TcpOptions};
+#[cfg(feature = "verbs")]
 use fabric_verbs::VerbsOptions;
 use serde::Deserialize;
 
 use crate::AnyDomain;
+
+/// Options of a verbs provider in a build without them (no `verbs` feature): parsed and
+/// checked exactly as in a full build, so a configuration file means the same to every
+/// build, and then unused.
+#[cfg(not(feature = "verbs"))]
+#[derive(Debug, Clone, Default)]
+#[allow(dead_code)] // written by the configuration parser; nothing reads options of a provider not built in
+struct VerbsOptions {
+    device: Option<String>,
+    address: Option<std::net::IpAddr>,
+    traffic_class: Option<u8>,
+    dead_peer_timeout: Option<std::time::Duration>,
+}
+
+/// The discovery entry of a verbs provider in a build without them.
+#[cfg(not(feature = "verbs"))]
+fn not_built_in(name: &str) -> ProviderInfo {
+    ProviderInfo {
+        name: name.into(),
+        availability: Availability::Unavailable {
+            reason: format!("not built into this binary: the fabric crate was built without its `verbs` feature (tcp only); build with default features for {name}"),
+        },
+        devices: Vec::new(),
+        caps: fabric_api::Capabilities {
+            ops: OpSet::empty(),
+            limits: fabric_api::Limits {
+                max_msg_size: 0,
+                max_inline: 0,
+                max_sge: 0,
+                max_send_queue: 0,
+                max_recv_queue: 0,
+                max_cq_entries: 0,
+                max_outstanding_reads: 0,
+                max_private_data: 0,
+            },
+            imm_size: 0,
+            emulated: Vec::new(),
+            unsupported: Default::default(),
+        },
+    }
+}
 
 /// Every provider name, in order of preference.
 pub const PROVIDER_NAMES: [&str; 4] = ["ib", "roce", "iwarp", "tcp"];
@@ -381,18 +426,21 @@ impl Selector {
         self
     }
 
+    #[cfg(feature = "verbs")]
     /// Options of the roce provider (device, address, traffic class).
     pub fn roce_options(mut self, opts: VerbsOptions) -> Self {
         self.roce = opts;
         self
     }
 
+    #[cfg(feature = "verbs")]
     /// Options of the iwarp provider (device, address).
     pub fn iwarp_options(mut self, opts: VerbsOptions) -> Self {
         self.iwarp = opts;
         self
     }
 
+    #[cfg(feature = "verbs")]
     /// Options of the ib provider (device, address).
     pub fn ib_options(mut self, opts: VerbsOptions) -> Self {
         self.ib = opts;
@@ -443,9 +491,14 @@ impl Selector {
     /// The discovery entry of provider `name` under this selector's options.
     fn info(&self, name: &str) -> ProviderInfo {
         match name {
+            #[cfg(feature = "verbs")]
             fabric_roce::NAME => fabric_roce::info(&self.roce),
+            #[cfg(feature = "verbs")]
             fabric_iwarp::NAME => fabric_iwarp::info(&self.iwarp),
+            #[cfg(feature = "verbs")]
             fabric_ib::NAME => fabric_ib::info(&self.ib),
+            #[cfg(not(feature = "verbs"))]
+            "roce" | "iwarp" | "ib" => not_built_in(name),
             _ => fabric_tcp::info(),
         }
     }
@@ -498,16 +551,19 @@ impl Selector {
                 continue;
             }
             let (domain, device): (AnyDomain, String) = match name.as_str() {
+                #[cfg(feature = "verbs")]
                 fabric_roce::NAME => {
                     let d = RoceDomain::open(self.roce.clone())?;
                     let s = d.selection().summary.clone();
                     (d.into(), s)
                 }
+                #[cfg(feature = "verbs")]
                 fabric_iwarp::NAME => {
                     let d = IwarpDomain::open(self.iwarp.clone())?;
                     let s = d.selection().summary.clone();
                     (d.into(), s)
                 }
+                #[cfg(feature = "verbs")]
                 fabric_ib::NAME => {
                     let d = IbDomain::open(self.ib.clone())?;
                     let s = d.selection().summary.clone();
@@ -775,5 +831,47 @@ mod tests {
             let e = Selector::new().config_str(bad).unwrap_err();
             assert!(e.message().contains("dead_peer_timeout_ms"), "{bad}: {e}");
         }
+    }
+
+    #[cfg(not(feature = "verbs"))]
+    #[test]
+    fn tcp_only_build_names_the_verbs_providers_not_built_in() {
+        let s = Selector::new()
+            .config_str("provider = \"roce,tcp\"\n[roce]\ndevice = \"rxe0\"\n")
+            .unwrap();
+        assert_eq!(s.roce.device.as_deref(), Some("rxe0"));
+        for name in ["roce", "iwarp", "ib"] {
+            let info = s.info(name);
+            assert_eq!(info.name, name);
+            match &info.availability {
+                Availability::Unavailable { reason } => {
+                    assert!(reason.contains("not built into this binary"), "{reason}")
+                }
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        // Configuration files mean the same to every build: bad verbs keys are still errors.
+        assert!(Selector::new().config_str("[roce]\nbogus = 1\n").is_err());
+        assert!(Selector::new()
+            .config_str("[iwarp]\ntraffic_class = 8\n")
+            .is_err());
+        let e = Selector::new()
+            .providers("roce")
+            .unwrap()
+            .open()
+            .unwrap_err();
+        assert!(
+            e.message().contains("roce: not built into this binary"),
+            "{e}"
+        );
+        let (_d, report) = s.open().unwrap();
+        assert_eq!(report.provider, "tcp");
+        assert!(
+            report
+                .rejected
+                .iter()
+                .any(|(n, why)| n == "roce" && why.contains("not built")),
+            "{report}"
+        );
     }
 }

@@ -19,8 +19,11 @@ use fabric_api::{
     Result, SendWr,
 };
 use fabric_hook::{HookCq, HookDomain, HookEndpoint, HookListener};
+#[cfg(feature = "verbs")]
 use fabric_ib::{IbCq, IbDomain, IbEndpoint, IbListener};
+#[cfg(feature = "verbs")]
 use fabric_iwarp::{IwarpCq, IwarpDomain, IwarpEndpoint, IwarpListener};
+#[cfg(feature = "verbs")]
 use fabric_roce::{RoceCq, RoceDomain, RoceEndpoint, RoceListener};
 use fabric_tcp::{TcpCq, TcpDomain, TcpEndpoint, TcpListener};
 
@@ -93,10 +96,13 @@ pub enum AnyDomain {
     /// The TCP fallback provider.
     Tcp(TcpDomain),
     /// RoCE v2 on the verbs core.
+    #[cfg(feature = "verbs")]
     Roce(RoceDomain),
     /// iWARP on the verbs core.
+    #[cfg(feature = "verbs")]
     Iwarp(IwarpDomain),
     /// InfiniBand on the verbs core.
+    #[cfg(feature = "verbs")]
     Ib(IbDomain),
     /// Any of the above with hooks (tracing, fault injection): see [`fabric_hook`].
     Hooked(HookDomain<ErasedDomain>),
@@ -109,10 +115,13 @@ pub enum AnyCq {
     /// The TCP fallback provider.
     Tcp(TcpCq),
     /// RoCE v2 on the verbs core.
+    #[cfg(feature = "verbs")]
     Roce(RoceCq),
     /// iWARP on the verbs core.
+    #[cfg(feature = "verbs")]
     Iwarp(IwarpCq),
     /// InfiniBand on the verbs core.
+    #[cfg(feature = "verbs")]
     Ib(IbCq),
     /// Any of the above with hooks (tracing, fault injection): see [`fabric_hook`].
     Hooked(HookCq<ErasedCq>),
@@ -125,10 +134,13 @@ pub enum AnyEndpoint {
     /// The TCP fallback provider.
     Tcp(TcpEndpoint),
     /// RoCE v2 on the verbs core.
+    #[cfg(feature = "verbs")]
     Roce(RoceEndpoint),
     /// iWARP on the verbs core.
+    #[cfg(feature = "verbs")]
     Iwarp(IwarpEndpoint),
     /// InfiniBand on the verbs core.
+    #[cfg(feature = "verbs")]
     Ib(IbEndpoint),
     /// Any of the above with hooks (tracing, fault injection): see [`fabric_hook`].
     Hooked(HookEndpoint<ErasedEndpoint>),
@@ -141,10 +153,13 @@ pub enum AnyListener {
     /// The TCP fallback provider.
     Tcp(TcpListener),
     /// RoCE v2 on the verbs core.
+    #[cfg(feature = "verbs")]
     Roce(RoceListener),
     /// iWARP on the verbs core.
+    #[cfg(feature = "verbs")]
     Iwarp(IwarpListener),
     /// InfiniBand on the verbs core.
+    #[cfg(feature = "verbs")]
     Ib(IbListener),
     /// Any of the above with hooks (tracing, fault injection): see [`fabric_hook`].
     Hooked(HookListener<ErasedListener>),
@@ -168,6 +183,7 @@ impl ProviderTypes for TcpCq {
     }
 }
 
+#[cfg(feature = "verbs")]
 impl ProviderTypes for RoceCq {
     fn from_any(cq: &AnyCq) -> Result<&Self> {
         match cq {
@@ -179,6 +195,7 @@ impl ProviderTypes for RoceCq {
     }
 }
 
+#[cfg(feature = "verbs")]
 impl ProviderTypes for IwarpCq {
     fn from_any(cq: &AnyCq) -> Result<&Self> {
         match cq {
@@ -190,6 +207,7 @@ impl ProviderTypes for IwarpCq {
     }
 }
 
+#[cfg(feature = "verbs")]
 impl ProviderTypes for IbCq {
     fn from_any(cq: &AnyCq) -> Result<&Self> {
         match cq {
