@@ -11,6 +11,17 @@
 //!   zero-timeout `epoll_wait` and makes progress on whatever is ready, and `wait` sleeps in
 //!   it, so a waiting application is woken by the socket directly, with no hand-off.
 //!
+//! **Hand-off.** While the application drives a connection itself (it polled one of the
+//! connection's completion queues within [`HANDOFF`], or sleeps in `wait` on one), the
+//! progress thread leaves that connection alone and stops waking up for it: it sleeps on a
+//! [`HANDOFF`] timer instead of in `epoll_wait`, and readiness that arrives meanwhile waits
+//! in the epoll ready list. Otherwise every message would wake two threads, and on a
+//! machine with fewer cores than busy threads the progress thread would preempt the
+//! polling application, or hold the connection's progress while preempted (measured with
+//! `fabric perf pingpong`: see BENCHMARKS.md). A connection the progress thread skipped
+//! stays on its list until it is progressed, so when the application stops polling the
+//! thread takes over within [`HANDOFF`]: no readiness is lost.
+//!
 //! Whoever sees a connection ready calls the connection's `progress`,
 //! which is serialised per connection with a try-lock and a "more to do" flag: a second
 //! caller never waits, and no readiness is lost. Posting threads write straight to the
@@ -26,10 +37,10 @@ use std::collections::HashMap;
 use std::io;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Weak};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
@@ -44,6 +55,17 @@ pub(crate) mod sync;
 #[cfg(all(test, loom))]
 #[path = "loom_models.rs"]
 mod loom_models;
+
+/// How long after the application's last poll of a connection's completion queue the
+/// progress thread leaves that connection to it (see the module docs).
+pub(crate) const HANDOFF: Duration = Duration::from_millis(1);
+
+/// Nanoseconds since the first call in this process: a cheap, monotonic clock for
+/// [`PollSet::app_driven`].
+fn now_ns() -> u64 {
+    static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
+    u64::try_from(EPOCH.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
 
 /// The waker's token in every poll set; connection tokens start above it.
 pub(crate) const WAKER: Token = Token(0);
@@ -101,6 +123,9 @@ pub(crate) struct PollSet<P: Poller = Poll> {
     conns: Mutex<HashMap<Token, Weak<Conn>>>,
     /// Threads inside `epoll_wait` on this set (wake them when something else completes).
     pub sleepers: AtomicUsize,
+    /// When a thread last looked at this set ([`now_ns`]); for a completion queue's set,
+    /// the application (see [`PollSet::app_driven`]).
+    driven_at: AtomicU64,
 }
 
 impl PollSet {
@@ -144,7 +169,23 @@ impl<P: Poller> PollSet<P> {
             waker,
             conns: Mutex::new(HashMap::new()),
             sleepers: AtomicUsize::new(0),
+            driven_at: AtomicU64::new(0),
         }
+    }
+
+    /// Whether the application drives this (completion queue's) set: a thread sleeps in
+    /// it, or polled it within [`HANDOFF`]. A hint for the progress thread, never needed
+    /// for correctness.
+    pub fn app_driven(&self) -> bool {
+        if self.sleepers.load(Ordering::Relaxed) > 0 {
+            return true;
+        }
+        let at = self.driven_at.load(Ordering::Relaxed);
+        at != 0 && now_ns().saturating_sub(at) < HANDOFF.as_nanos() as u64
+    }
+
+    fn mark_driven(&self) {
+        self.driven_at.store(now_ns().max(1), Ordering::Relaxed);
     }
 
     /// Wakes a thread sleeping in this set (call after making the change it waits for).
@@ -163,6 +204,7 @@ impl<P: Poller> PollSet<P> {
     /// Looks for readiness without waiting and makes progress on every ready connection;
     /// does nothing when another thread is polling this set (it does the work).
     pub fn run_now(&self) {
+        self.mark_driven();
         if let Ok(mut poll) = self.poll.try_lock() {
             self.dispatch(&mut poll, Some(Duration::ZERO));
         }
@@ -173,6 +215,7 @@ impl<P: Poller> PollSet<P> {
     /// checked after this thread counts as a sleeper, so a [`wake`](Self::wake) that
     /// follows a change `done` looks at is never lost.
     pub fn run_unless(&self, timeout: Option<Duration>, done: impl Fn() -> bool) {
+        self.mark_driven();
         let mut poll = self.poll.lock().expect("poll set poisoned");
         self.sleepers.fetch_add(1, Ordering::SeqCst);
         // Paired with the fence in `wake`: either the waker sees this sleeper, or this
@@ -186,6 +229,15 @@ impl<P: Poller> PollSet<P> {
     }
 
     fn dispatch(&self, poll: &mut P, timeout: Option<Duration>) {
+        // The set stays locked while progress runs, so that only one thread sleeps in it
+        // at a time; progress itself never blocks.
+        for c in self.ready(poll, timeout) {
+            c.progress();
+        }
+    }
+
+    /// Waits up to `timeout` for readiness; the connections found ready.
+    fn ready(&self, poll: &mut P, timeout: Option<Duration>) -> Vec<Arc<Conn>> {
         let mut events = Events::with_capacity(64);
         let res = poll.wait(&mut events, timeout);
         if timeout != Some(Duration::ZERO) {
@@ -195,20 +247,52 @@ impl<P: Poller> PollSet<P> {
             if e.kind() != io::ErrorKind::Interrupted {
                 tracing::error!("epoll_wait failed: {e}");
             }
-            return;
+            return Vec::new();
         }
-        let ready: Vec<Arc<Conn>> = {
-            let conns = self.conns.lock().expect("poll set poisoned");
-            events
-                .iter()
-                .filter(|e| e.token() != WAKER)
-                .filter_map(|e| conns.get(&e.token()).and_then(Weak::upgrade))
-                .collect()
-        };
-        // Progress runs with the poll set unlocked? No: the set stays locked so that only
-        // one thread sleeps in it at a time; progress itself never blocks.
-        for c in ready {
-            c.progress();
+        let conns = self.conns.lock().expect("poll set poisoned");
+        events
+            .iter()
+            .filter(|e| e.token() != WAKER)
+            .filter_map(|e| conns.get(&e.token()).and_then(Weak::upgrade))
+            .collect()
+    }
+}
+
+impl PollSet {
+    /// The domain progress thread's loop (see the module docs for the hand-off): until
+    /// `stop`, progresses every ready connection the application does not drive itself.
+    fn progress_thread(&self, stop: &AtomicBool) {
+        // Connections found ready while their application drove them; checked again every
+        // HANDOFF until the application stops (then progressed here) or they are gone.
+        let mut skipped: HashMap<Token, Weak<Conn>> = HashMap::new();
+        while !stop.load(Ordering::Acquire) {
+            let ready = if skipped.is_empty() {
+                let mut poll = self.poll.lock().expect("poll set poisoned");
+                self.sleepers.fetch_add(1, Ordering::SeqCst);
+                // Paired with the fence in `wake`, as in `run_unless`.
+                std::sync::atomic::fence(Ordering::SeqCst);
+                if stop.load(Ordering::Acquire) {
+                    self.sleepers.fetch_sub(1, Ordering::SeqCst);
+                    return;
+                }
+                self.ready(&mut poll, None)
+            } else {
+                // Readiness arriving now queues in the epoll ready list without waking us.
+                std::thread::sleep(HANDOFF);
+                let mut poll = self.poll.lock().expect("poll set poisoned");
+                self.ready(&mut poll, Some(Duration::ZERO))
+            };
+            for c in ready {
+                skipped.insert(c.token, Arc::downgrade(&c));
+            }
+            skipped.retain(|_, w| match w.upgrade() {
+                None => false,
+                Some(c) if c.app_driven() => true,
+                Some(c) => {
+                    c.progress();
+                    false
+                }
+            });
         }
     }
 }
@@ -247,11 +331,7 @@ impl Engine {
         *t = Some(
             std::thread::Builder::new()
                 .name("fabric-tcp-progress".into())
-                .spawn(move || {
-                    while !stop.load(Ordering::Acquire) {
-                        set.run_unless(None, || stop.load(Ordering::Acquire));
-                    }
-                })?,
+                .spawn(move || set.progress_thread(&stop))?,
         );
         Ok(())
     }

@@ -144,3 +144,65 @@ fn manual_progress_happens_only_where_the_application_polls() {
     assert_eq!((out[0].context, out[0].status), (1, Status::Success));
     assert_eq!(dst.buffer().to_vec(0, 8), b"manual!!");
 }
+
+/// Auto progress hands a connection to the application while it polls, and takes it back
+/// when the application stops: a write to a target that polled a moment ago, and then
+/// never again, still completes (the progress thread's skipped connections are rechecked,
+/// and no readiness is lost in between).
+#[test]
+fn progress_thread_takes_over_when_the_application_stops_polling() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let domain = TcpDomain::open(TcpOptions::default()).unwrap();
+    let cq_a = domain.create_cq(64).unwrap();
+    let cq_b = domain.create_cq(64).unwrap();
+    let (a, _b) = connect(&domain, &cq_a, &cq_b, 1).pop().unwrap();
+    let src = domain
+        .register(Arc::new(Buffer::from_slice(b"handoff!")), Access::empty())
+        .unwrap();
+    let dst = domain
+        .register(
+            Arc::new(Buffer::new(8 * 64)),
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        )
+        .unwrap();
+    let mut out = Vec::new();
+    let mut complete = |ctx: u64| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while cq_a.poll(&mut out, 1).unwrap() == 0 {
+            assert!(Instant::now() < deadline, "write {ctx} never completed");
+            std::hint::spin_loop();
+        }
+        let c = out.pop().unwrap();
+        assert_eq!((c.context, c.status), (ctx, Status::Success));
+    };
+    for round in 0..20u64 {
+        // The target's application polls (it drives its connection) for a while ...
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut sink = Vec::new();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    cq_b.poll(&mut sink, 4).unwrap();
+                }
+            });
+            for i in 0..16 {
+                let ctx = round * 100 + i;
+                a.post_send(&SendWr::write(1 + ctx, &[src.all()], dst.desc().at(8 * i)))
+                    .unwrap();
+                complete(1 + ctx);
+            }
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+        // ... then stops, right before (or while) the next write arrives: the progress
+        // thread must place it with no further poll of cq_b.
+        let at = 8 * (16 + round);
+        a.post_send(&SendWr::write(
+            99_000 + round,
+            &[src.all()],
+            dst.desc().at(at),
+        ))
+        .unwrap();
+        complete(99_000 + round);
+        assert_eq!(dst.buffer().to_vec(at as usize, 8), b"handoff!");
+    }
+}

@@ -206,7 +206,7 @@ pub(crate) struct Conn {
     /// The application closed the endpoint (not a failure): see [`Conn::shutdown`].
     graceful: AtomicBool,
     /// This connection's token in the poll sets.
-    token: Token,
+    pub(crate) token: Token,
     /// The domain's engine (its poll set and progress thread).
     engine: Arc<Engine>,
 }
@@ -282,6 +282,12 @@ impl Conn {
         self.engine.set.remove(self.token, &self.sock);
         self.send_cq.set().remove(self.token, &self.sock);
         self.recv_cq.set().remove(self.token, &self.sock);
+    }
+
+    /// Whether the application drives this connection through one of its completion
+    /// queues (see [`crate::engine::PollSet::app_driven`]).
+    pub fn app_driven(&self) -> bool {
+        self.send_cq.set().app_driven() || self.recv_cq.set().app_driven()
     }
 
     /// Makes progress: writes what the socket takes, then reads and handles what has
@@ -968,6 +974,12 @@ impl Conn {
     /// into the peer's credit area first: iWARP gives the peer the same signal for a close
     /// and a failure, and the mark is how it tells them apart.
     pub fn close(&self) {
+        // What already arrived is handled first, as a NIC would have: requests waiting in
+        // the socket (a delivery read right behind the last send, say) are answered before
+        // the close, instead of being lost with the connection.
+        if self.state() == EndpointState::Connected {
+            self.progress();
+        }
         let mut st = self.lock();
         if st.status == EndpointState::Connected {
             self.graceful.store(true, AtomicOrdering::SeqCst);
