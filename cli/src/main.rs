@@ -1,6 +1,7 @@
 //! `fabric`: show providers, run the demo, run the conformance suite.
 #![forbid(unsafe_code)]
 
+mod allreduce;
 mod demo;
 mod info;
 mod perf;
@@ -85,6 +86,12 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// The peer process of the rdm and tagged-message conformance cases (internal).
+    #[command(hide = true, name = "rdm-peer")]
+    RdmPeer {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -123,6 +130,7 @@ fn main() -> ExitCode {
         } => report(&file, format, &require_device, &known_fail),
         Cmd::Reliability { files, output } => reliability::run(&files, output.as_deref()),
         Cmd::Peer { args } => return ExitCode::from(fabric_conformance::peer::main(&args) as u8),
+        Cmd::RdmPeer { args } => return ExitCode::from(allreduce::rdm_peer(&args) as u8),
     };
     match result {
         Ok(code) => code,

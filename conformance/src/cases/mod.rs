@@ -10,6 +10,7 @@ mod cq;
 mod fault;
 mod mr;
 mod msg;
+mod rdm;
 mod rma;
 
 /// Declares cases: `name, section, needs => body`.
@@ -32,5 +33,6 @@ pub fn all_cases() -> Vec<Case> {
     v.extend(conn::cases());
     v.extend(bad::cases());
     v.extend(fault::cases());
+    v.extend(rdm::cases());
     v
 }

@@ -1,0 +1,472 @@
+//! The communicator and its algorithms.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use fabric::prelude::*;
+use fabric::{Error, Result};
+use fabric_rdm::{Peer, RdmEndpoint, RecvBuf, Source};
+
+use crate::reduce::{from_bytes, reduce, to_bytes, DataType, Element, ReduceOp};
+
+/// Tags of collectives: this bit, the call's sequence number, the step.
+const TAG_BIT: u64 = 1 << 63;
+const SEND_CTX: u64 = 1;
+const RECV_CTX: u64 = 2;
+
+/// Algorithm thresholds.
+#[derive(Debug, Clone, Copy)]
+pub struct CommConfig {
+    /// Allreduce and allgather payloads up to this many bytes use recursive doubling
+    /// (latency-bound); larger ones the ring (bandwidth-bound).
+    pub small_max: usize,
+    /// Broadcasts up to this many bytes use a binomial tree; larger ones a pipelined chain.
+    pub bcast_small_max: usize,
+    /// Chunk of the pipelined broadcast.
+    pub bcast_chunk: usize,
+    /// How long one step may wait for a peer before the collective fails.
+    pub timeout: Duration,
+}
+
+impl Default for CommConfig {
+    fn default() -> Self {
+        CommConfig {
+            small_max: 64 << 10,
+            bcast_small_max: 256 << 10,
+            bcast_chunk: 256 << 10,
+            timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A group of ranks over one RDM endpoint each, running collectives. Every rank calls the
+/// same collectives in the same order.
+#[derive(Debug)]
+pub struct Comm {
+    ep: RdmEndpoint,
+    domain: Arc<AnyDomain>,
+    rank: usize,
+    peers: Vec<Peer>,
+    seq: u64,
+    cfg: CommConfig,
+    sbuf: MemoryRegion,
+    rbuf: Arc<MemoryRegion>,
+}
+
+impl Comm {
+    /// A communicator of `names.len()` ranks (every rank's endpoint name, in rank order);
+    /// this process is `rank`, its endpoint `ep` in `domain`.
+    pub fn new(
+        domain: Arc<AnyDomain>,
+        ep: RdmEndpoint,
+        rank: usize,
+        names: &[Vec<u8>],
+        cfg: CommConfig,
+    ) -> Result<Self> {
+        if rank >= names.len() {
+            return Err(Error::invalid(format!(
+                "rank {rank} of {} ranks",
+                names.len()
+            )));
+        }
+        let peers = names
+            .iter()
+            .map(|n| ep.av_insert_name(n))
+            .collect::<Result<Vec<_>>>()?;
+        let access = Access::LOCAL_WRITE | Access::REMOTE_READ;
+        let sbuf = domain.alloc(4096, access)?;
+        let rbuf = Arc::new(domain.alloc(4096, access)?);
+        Ok(Comm {
+            ep,
+            domain,
+            rank,
+            peers,
+            seq: 0,
+            cfg,
+            sbuf,
+            rbuf,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// The endpoint underneath.
+    pub fn endpoint(&self) -> &RdmEndpoint {
+        &self.ep
+    }
+
+    fn ensure(&mut self, send: usize, recv: usize) -> Result<()> {
+        let access = Access::LOCAL_WRITE | Access::REMOTE_READ;
+        if self.sbuf.len() < send {
+            self.sbuf = self.domain.alloc(send.next_power_of_two(), access)?;
+        }
+        if self.rbuf.len() < recv {
+            self.rbuf = Arc::new(self.domain.alloc(recv.next_power_of_two(), access)?);
+        }
+        Ok(())
+    }
+
+    fn tag(&self, step: u64) -> u64 {
+        TAG_BIT | (self.seq & 0xff_ffff_ffff) << 20 | (step & 0xf_ffff)
+    }
+
+    /// One step: sends `send` to rank `to` and receives `recv_len` bytes from rank `from`
+    /// (either may be absent); returns what arrived.
+    fn step(
+        &mut self,
+        step: u64,
+        send: Option<(usize, &[u8])>,
+        recv: Option<(usize, usize)>,
+    ) -> Result<Vec<u8>> {
+        self.step_tags(step, step, send, recv)
+    }
+
+    /// [`Comm::step`] with the send tagged `sstep` and the receive `rstep`.
+    fn step_tags(
+        &mut self,
+        sstep: u64,
+        rstep: u64,
+        send: Option<(usize, &[u8])>,
+        recv: Option<(usize, usize)>,
+    ) -> Result<Vec<u8>> {
+        let step = rstep;
+        self.ensure(send.map_or(0, |s| s.1.len()), recv.map_or(0, |r| r.1))?;
+        let tag = self.tag(sstep);
+        let rtag = self.tag(rstep);
+        if let Some((from, len)) = recv {
+            self.ep.trecv(
+                Source::Peer(self.peers[from]),
+                rtag,
+                0,
+                RecvBuf::new(self.rbuf.clone(), 0, len),
+                RECV_CTX,
+            )?;
+        }
+        if let Some((to, data)) = send {
+            self.sbuf.buffer().write(0, data);
+            self.ep.tsend(
+                self.peers[to],
+                tag,
+                self.sbuf.slice(0..data.len())?,
+                SEND_CTX,
+            )?;
+        }
+        let mut left = usize::from(send.is_some()) + usize::from(recv.is_some());
+        let mut got = 0;
+        while left > 0 {
+            let c = self.ep.next_completion(self.cfg.timeout)?;
+            if !c.is_ok() {
+                return Err(Error::new(
+                    match c.status {
+                        fabric_rdm::RdmStatus::Error(k) => k,
+                        _ => ErrorKind::InvalidState,
+                    },
+                    format!(
+                        "collective step {step}: {:?} completed {:?}",
+                        c.op, c.status
+                    ),
+                ));
+            }
+            if c.context == RECV_CTX {
+                got = c.len as usize;
+            }
+            left -= 1;
+        }
+        Ok(match recv {
+            Some((_, len)) => {
+                if got != len {
+                    return Err(Error::new(
+                        ErrorKind::Protocol,
+                        format!("collective step {step}: {got} bytes arrived, {len} expected"),
+                    ));
+                }
+                self.rbuf.buffer().to_vec(0, len)
+            }
+            None => Vec::new(),
+        })
+    }
+
+    /// Waits until every rank has called it (dissemination: log2(n) rounds).
+    pub fn barrier(&mut self) -> Result<()> {
+        self.seq += 1;
+        let (n, r) = (self.size(), self.rank);
+        let mut dist = 1;
+        let mut k = 0;
+        while dist < n {
+            self.step(
+                k,
+                Some(((r + dist) % n, &[])),
+                Some(((r + n - dist) % n, 0)),
+            )?;
+            dist <<= 1;
+            k += 1;
+        }
+        Ok(())
+    }
+
+    /// Gives every rank `root`'s `data` (its length must be the same everywhere).
+    pub fn broadcast_bytes(&mut self, data: &mut [u8], root: usize) -> Result<()> {
+        self.seq += 1;
+        let n = self.size();
+        if root >= n {
+            return Err(Error::invalid(format!("root {root} of {n} ranks")));
+        }
+        if n == 1 {
+            return Ok(());
+        }
+        let vr = (self.rank + n - root) % n;
+        let real = |v: usize| (v + root) % n;
+        if data.len() <= self.cfg.bcast_small_max {
+            // Binomial tree.
+            let mut mask = 1;
+            while mask < n {
+                if vr & mask != 0 {
+                    let got = self.step(0, None, Some((real(vr - mask), data.len())))?;
+                    data.copy_from_slice(&got);
+                    break;
+                }
+                mask <<= 1;
+            }
+            mask >>= 1;
+            while mask > 0 {
+                if vr + mask < n {
+                    self.step(0, Some((real(vr + mask), data)), None)?;
+                }
+                mask >>= 1;
+            }
+            return Ok(());
+        }
+        // Pipelined chain root -> root+1 -> ... in chunks.
+        let c = self.cfg.bcast_chunk.max(1);
+        let chunks = data.len().div_ceil(c);
+        let total = data.len();
+        let range = |i: usize| i * c..((i + 1) * c).min(total);
+        for i in 0..=chunks {
+            let send = (i > 0 && vr + 1 < n).then(|| (real(vr + 1), range(i - 1)));
+            let recv = (i < chunks && vr > 0).then(|| (real(vr - 1), range(i)));
+            let sdata = send.as_ref().map(|(to, r)| (*to, data[r.clone()].to_vec()));
+            let got = self.step_tags(
+                i.saturating_sub(1) as u64,
+                i as u64,
+                sdata.as_ref().map(|(to, d)| (*to, d.as_slice())),
+                recv.as_ref().map(|(from, r)| (*from, r.len())),
+            )?;
+            if let Some((_, r)) = recv {
+                data[r].copy_from_slice(&got);
+            }
+        }
+        Ok(())
+    }
+
+    /// Every rank's `input` (equal lengths), concatenated in rank order, on every rank.
+    pub fn allgather_bytes(&mut self, input: &[u8]) -> Result<Vec<u8>> {
+        self.seq += 1;
+        let (n, r, b) = (self.size(), self.rank, input.len());
+        let mut out = vec![0u8; n * b];
+        out[r * b..(r + 1) * b].copy_from_slice(input);
+        if n.is_power_of_two() && n * b <= self.cfg.small_max {
+            // Recursive doubling: the blocks held double each round.
+            let mut dist = 1;
+            let mut k = 0;
+            while dist < n {
+                let partner = r ^ dist;
+                let mine = (r / dist) * dist;
+                let theirs = (partner / dist) * dist;
+                let send = out[mine * b..(mine + dist) * b].to_vec();
+                let got = self.step(k, Some((partner, &send)), Some((partner, dist * b)))?;
+                out[theirs * b..(theirs + dist) * b].copy_from_slice(&got);
+                dist <<= 1;
+                k += 1;
+            }
+        } else {
+            self.ring_allgather(&mut out, &(0..=n).map(|i| i * b).collect::<Vec<_>>(), 0)?;
+        }
+        Ok(out)
+    }
+
+    /// Ring allgather of blocks `bounds[i]..bounds[i+1]` of `buf`, rank `i` holding block
+    /// `(i + shift) % n` complete at the start.
+    fn ring_allgather(&mut self, buf: &mut [u8], bounds: &[usize], shift: usize) -> Result<()> {
+        let (n, r) = (self.size(), self.rank);
+        let blk = |i: usize| bounds[i % n]..bounds[i % n + 1];
+        for s in 0..n - 1 {
+            let sb = blk(r + shift + n - s);
+            let rb = blk(r + shift + n - s - 1);
+            let send = buf[sb].to_vec();
+            let got = self.step(
+                1000 + s as u64,
+                Some(((r + 1) % n, &send)),
+                Some(((r + n - 1) % n, rb.len())),
+            )?;
+            buf[rb].copy_from_slice(&got);
+        }
+        Ok(())
+    }
+
+    /// Ring reduce-scatter over blocks `bounds`: afterwards rank `r` holds block `r` fully
+    /// reduced (each block reduced along the ring in one fixed order).
+    fn ring_reduce_scatter(
+        &mut self,
+        buf: &mut [u8],
+        bounds: &[usize],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, r) = (self.size(), self.rank);
+        let blk = |i: usize| bounds[i % n]..bounds[i % n + 1];
+        for s in 0..n - 1 {
+            let sb = blk(r + 2 * n - s - 1);
+            let rb = blk(r + 2 * n - s - 2);
+            let send = buf[sb].to_vec();
+            let got = self.step(
+                s as u64,
+                Some(((r + 1) % n, &send)),
+                Some(((r + n - 1) % n, rb.len())),
+            )?;
+            reduce(dtype, op, &mut buf[rb], &got, true);
+        }
+        Ok(())
+    }
+
+    /// Element boundaries of `n` near-equal blocks of `count` elements, in bytes.
+    fn bounds(&self, count: usize, size: usize) -> Vec<usize> {
+        let n = self.size();
+        (0..=n).map(|i| (count * i / n) * size).collect()
+    }
+
+    /// Reduces `data` (elements of `dtype`, little-endian) across ranks and scatters it:
+    /// returns this rank's block (block `i` holds elements `count*i/n .. count*(i+1)/n`).
+    pub fn reduce_scatter_bytes(
+        &mut self,
+        data: &[u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<Vec<u8>> {
+        check_len(data, dtype)?;
+        self.seq += 1;
+        let bounds = self.bounds(data.len() / dtype.size(), dtype.size());
+        let mut buf = data.to_vec();
+        if self.size() > 1 {
+            self.ring_reduce_scatter(&mut buf, &bounds, dtype, op)?;
+        }
+        Ok(buf[bounds[self.rank]..bounds[self.rank + 1]].to_vec())
+    }
+
+    /// Reduces `data` across ranks in place; every rank gets the same bits.
+    pub fn allreduce_bytes(
+        &mut self,
+        data: &mut [u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        check_len(data, dtype)?;
+        self.seq += 1;
+        let n = self.size();
+        if n == 1 {
+            return Ok(());
+        }
+        let count = data.len() / dtype.size();
+        if data.len() <= self.cfg.small_max || count < n {
+            return self.recursive_doubling(data, dtype, op);
+        }
+        let bounds = self.bounds(count, dtype.size());
+        self.ring_reduce_scatter(data, &bounds, dtype, op)?;
+        self.ring_allgather(data, &bounds, 0)
+    }
+
+    /// Recursive doubling; a non-power-of-two group first folds its extra ranks in. Each
+    /// pair computes `lower rank's value op higher rank's value`, so both hold the same bits.
+    fn recursive_doubling(&mut self, data: &mut [u8], dtype: DataType, op: ReduceOp) -> Result<()> {
+        let (n, r) = (self.size(), self.rank);
+        let p2 = 1 << (usize::BITS - 1 - n.leading_zeros());
+        let rem = n - p2;
+        let len = data.len();
+        // Fold: among the first 2*rem ranks, even ones hand their data to the odd one above.
+        let newrank = if r < 2 * rem {
+            if r % 2 == 0 {
+                self.step(0, Some((r + 1, data)), None)?;
+                None
+            } else {
+                let got = self.step(0, None, Some((r - 1, len)))?;
+                reduce(dtype, op, data, &got, true);
+                Some(r / 2)
+            }
+        } else {
+            Some(r - rem)
+        };
+        if let Some(nr) = newrank {
+            let real = |v: usize| if v < rem { v * 2 + 1 } else { v + rem };
+            let mut mask = 1;
+            let mut k = 1;
+            while mask < p2 {
+                let pn = nr ^ mask;
+                let partner = real(pn);
+                let got = self.step(k, Some((partner, data)), Some((partner, len)))?;
+                reduce(dtype, op, data, &got, pn < nr);
+                mask <<= 1;
+                k += 1;
+            }
+        }
+        // Unfold: odd ranks give the result back.
+        if r < 2 * rem {
+            if r % 2 == 1 {
+                self.step(100, Some((r - 1, data)), None)?;
+            } else {
+                let got = self.step(100, None, Some((r + 1, len)))?;
+                data.copy_from_slice(&got);
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Comm::allreduce_bytes`] over typed elements.
+    pub fn allreduce<T: Element>(&mut self, data: &mut [T], op: ReduceOp) -> Result<()> {
+        let mut b = to_bytes(data);
+        self.allreduce_bytes(&mut b, T::DTYPE, op)?;
+        from_bytes(&b, data);
+        Ok(())
+    }
+
+    /// [`Comm::reduce_scatter_bytes`] over typed elements.
+    pub fn reduce_scatter<T: Element>(&mut self, data: &[T], op: ReduceOp) -> Result<Vec<T>> {
+        let b = self.reduce_scatter_bytes(&to_bytes(data), T::DTYPE, op)?;
+        let mut out = vec![T::get(&[0; 8][..T::DTYPE.size()]); b.len() / T::DTYPE.size()];
+        from_bytes(&b, &mut out);
+        Ok(out)
+    }
+
+    /// [`Comm::allgather_bytes`] over typed elements.
+    pub fn allgather<T: Element>(&mut self, input: &[T]) -> Result<Vec<T>> {
+        let b = self.allgather_bytes(&to_bytes(input))?;
+        let mut out = vec![T::get(&[0; 8][..T::DTYPE.size()]); b.len() / T::DTYPE.size()];
+        from_bytes(&b, &mut out);
+        Ok(out)
+    }
+
+    /// [`Comm::broadcast_bytes`] over typed elements.
+    pub fn broadcast<T: Element>(&mut self, data: &mut [T], root: usize) -> Result<()> {
+        let mut b = to_bytes(data);
+        self.broadcast_bytes(&mut b, root)?;
+        from_bytes(&b, data);
+        Ok(())
+    }
+}
+
+fn check_len(data: &[u8], dtype: DataType) -> Result<()> {
+    if data.len() % dtype.size() != 0 {
+        return Err(Error::invalid(format!(
+            "{} bytes is not a whole number of {} elements",
+            data.len(),
+            dtype
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,172 @@
+//! Ranks as threads in one process, each with its own tcp domain and RDM endpoint.
+
+use std::sync::Arc;
+
+use fabric_collectives::{Comm, CommConfig, DataType, ReduceOp};
+use fabric_rdm::{RdmConfig, RdmEndpoint};
+
+fn run<R: Send + 'static>(n: usize, f: impl Fn(&mut Comm) -> R + Send + Sync + 'static) -> Vec<R> {
+    let mut eps = Vec::new();
+    for _ in 0..n {
+        let (d, _) = fabric::Selector::new()
+            .providers("tcp")
+            .and_then(|s| s.open())
+            .expect("tcp");
+        let d = Arc::new(d);
+        let ep = RdmEndpoint::new(d.clone(), RdmConfig::default()).expect("endpoint");
+        eps.push((d, ep));
+    }
+    let names: Vec<Vec<u8>> = eps.iter().map(|(_, e)| e.name()).collect();
+    let f = Arc::new(f);
+    let hs: Vec<_> = eps
+        .into_iter()
+        .enumerate()
+        .map(|(r, (d, ep))| {
+            let (names, f) = (names.clone(), f.clone());
+            std::thread::spawn(move || {
+                let mut c = Comm::new(d, ep, r, &names, CommConfig::default()).expect("comm");
+                f(&mut c)
+            })
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().expect("rank")).collect()
+}
+
+fn value(rank: usize, i: usize) -> i64 {
+    ((rank * 7 + i * 13) % 23) as i64 - 11
+}
+
+#[test]
+fn allreduce_every_type_and_op_small_and_large() {
+    for n in [3usize, 4] {
+        let out = run(n, move |c| {
+            let mut res = Vec::new();
+            for count in [1usize, 5, 1000, 40_000] {
+                for op in [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max] {
+                    let mut a: Vec<i32> = (0..count).map(|i| value(c.rank(), i) as i32).collect();
+                    c.allreduce(&mut a, op).unwrap();
+                    let mut f: Vec<f64> = (0..count)
+                        .map(|i| value(c.rank(), i) as f64 * 0.5)
+                        .collect();
+                    c.allreduce(&mut f, op).unwrap();
+                    let mut u: Vec<u8> = (0..count).map(|i| value(c.rank(), i) as u8).collect();
+                    c.allreduce(&mut u, op).unwrap();
+                    res.push((count, op, a, f, u));
+                }
+            }
+            res
+        });
+        for rank in &out {
+            for (count, op, a, f, u) in rank {
+                for i in 0..*count {
+                    let vals: Vec<i64> = (0..n).map(|r| value(r, i)).collect();
+                    let want = match op {
+                        ReduceOp::Sum => vals.iter().sum::<i64>(),
+                        ReduceOp::Min => *vals.iter().min().unwrap(),
+                        ReduceOp::Max => *vals.iter().max().unwrap(),
+                    };
+                    assert_eq!(a[i] as i64, want, "n {n} count {count} {op} i32 [{i}]");
+                    assert_eq!(
+                        f[i],
+                        want as f64 * 0.5,
+                        "n {n} count {count} {op} f64 [{i}]"
+                    );
+                    let wu = match op {
+                        ReduceOp::Sum => vals.iter().fold(0u8, |s, &v| s.wrapping_add(v as u8)),
+                        ReduceOp::Min => vals.iter().map(|&v| v as u8).min().unwrap(),
+                        ReduceOp::Max => vals.iter().map(|&v| v as u8).max().unwrap(),
+                    };
+                    assert_eq!(u[i], wu, "n {n} count {count} {op} u8 [{i}]");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn float_results_are_bit_identical_on_every_rank() {
+    for n in [3usize, 5] {
+        let out = run(n, |c| {
+            let mut v = Vec::new();
+            for count in [7usize, 100_000] {
+                // Values whose sums round differently in different orders.
+                let mut f: Vec<f32> = (0..count)
+                    .map(|i| ((c.rank() + 1) as f32).powi(7) * 1.000_1f32.powi(i as i32 % 50) / 3.0)
+                    .collect();
+                c.allreduce(&mut f, ReduceOp::Sum).unwrap();
+                v.push(f.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+            }
+            v
+        });
+        for r in &out[1..] {
+            assert_eq!(r, &out[0], "rank results differ in their bits (n {n})");
+        }
+    }
+}
+
+#[test]
+fn barrier_broadcast_allgather_reduce_scatter() {
+    let n = 5;
+    let out = run(n, move |c| {
+        c.barrier().unwrap();
+        let r = c.rank();
+        let mut small = vec![0u64; 10];
+        if r == 2 {
+            small = (0..10).map(|i| i * 3 + 1).collect();
+        }
+        c.broadcast(&mut small, 2).unwrap();
+        let mut large = vec![0u8; 1 << 20];
+        if r == 4 {
+            large
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, b)| *b = (i % 251) as u8);
+        }
+        c.broadcast(&mut large, 4).unwrap();
+        let g = c.allgather(&[r as u32 * 10, r as u32 * 10 + 1]).unwrap();
+        let big = c.allgather(&vec![r as u8; 100_000]).unwrap();
+        let data: Vec<i64> = (0..23).map(|i| (i * (r + 1)) as i64).collect();
+        let rs = c.reduce_scatter(&data, ReduceOp::Sum).unwrap();
+        c.barrier().unwrap();
+        (small, large, g, big, rs)
+    });
+    for (r, (small, large, g, big, rs)) in out.iter().enumerate() {
+        assert_eq!(
+            small,
+            &(0..10).map(|i| i * 3 + 1).collect::<Vec<u64>>(),
+            "rank {r}"
+        );
+        assert!(
+            large.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8),
+            "rank {r} large broadcast"
+        );
+        assert_eq!(
+            g,
+            &(0..n as u32)
+                .flat_map(|k| [k * 10, k * 10 + 1])
+                .collect::<Vec<_>>()
+        );
+        assert!(big
+            .chunks(100_000)
+            .enumerate()
+            .all(|(k, c)| c.iter().all(|&b| b == k as u8)));
+        let (lo, hi) = (23 * r / n, 23 * (r + 1) / n);
+        let want: Vec<i64> = (lo..hi)
+            .map(|i| (i * (1..=n).sum::<usize>()) as i64)
+            .collect();
+        assert_eq!(rs, &want, "rank {r} reduce-scatter");
+    }
+}
+
+#[test]
+fn uneven_byte_count_is_refused() {
+    let out = run(2, |c| {
+        let mut b = vec![0u8; 7];
+        c.allreduce_bytes(&mut b, DataType::I32, ReduceOp::Sum)
+            .err()
+            .map(|e| e.kind())
+    });
+    assert!(out
+        .iter()
+        .all(|k| *k == Some(fabric::ErrorKind::InvalidArgument)));
+}

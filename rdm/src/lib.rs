@@ -1,0 +1,76 @@
+//! Reliable datagram (RDM) endpoints and tagged messages over any fabric provider: what
+//! MPI-like middleware builds on (semantics.md section 9).
+//!
+//! An [`RdmEndpoint`] reaches many peers through one endpoint and one completion queue.
+//! Peers go into its address vector ([`RdmEndpoint::av_insert`] from an address,
+//! [`RdmEndpoint::av_insert_name`] from a name exchanged out of band) and are named by
+//! [`Peer`] handles. The first operation addressed to a peer connects to it over the
+//! provider's connected endpoints; connections from peers are accepted by one thread per
+//! RDM endpoint (never one per peer), and a peer that connects first is inserted in the
+//! address vector on its own. Progress is made by the application's calls
+//! ([`RdmEndpoint::poll`], [`RdmEndpoint::wait`]); one-sided operations (and the reads of
+//! the rendezvous protocol) progress in the provider.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use fabric::prelude::*;
+//! use fabric_rdm::{RdmConfig, RdmEndpoint, RecvBuf, Source};
+//! # fn main() -> fabric::Result<()> {
+//! let (domain, _) = fabric::Selector::from_env()?.open()?;
+//! let domain = Arc::new(domain);
+//! let ep = RdmEndpoint::new(domain.clone(), RdmConfig::default())?;
+//! let peer = ep.av_insert_name(&std::fs::read("peer.name")?)?; // exchanged out of band
+//! let src = domain.alloc(4096, Access::LOCAL_WRITE)?;
+//! ep.tsend(peer, 42, src.slice(0..4096)?, 1)?;
+//! let dst = Arc::new(domain.alloc(4096, Access::LOCAL_WRITE)?);
+//! ep.trecv(Source::Any, 42, 0, RecvBuf::whole(dst), 2)?;
+//! for _ in 0..2 {
+//!     let c = ep.next_completion(std::time::Duration::from_secs(10))?;
+//!     println!("{:?} {:?} from {:?}, {} bytes", c.op, c.status, c.peer, c.len);
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! # Protocols
+//! Every message carries a 40-byte header ([`wire`]). Messages up to
+//! [`RdmConfig::eager_max`] are copied through registered bounce buffers (eager). Larger
+//! ones send a rendezvous request with the address and key of the sender's memory; the
+//! receiver, once a receive matched, reads the payload straight into the receive buffer
+//! with RDMA Read and answers `FIN`, which completes the send. Memory the peer cannot
+//! read (no `REMOTE_READ`, another domain) is staged in a registered copy first.
+//!
+//! # Flow control
+//! Each connection posts [`RdmConfig::recv_depth`] receive buffers, and a sender holds one
+//! credit per buffer; every header returns the credits its sender reposted since its last
+//! message, and a credit-only message goes out when enough pile up with nothing to carry
+//! them. Data messages leave three credits in reserve for acknowledgements and credit
+//! returns, so that a flood of data can never block the messages that unblock it.
+//! Messages that match no receive are copied out of the bounce buffer into the unexpected
+//! queue; once it holds [`RdmConfig::max_unexpected_bytes`], the credits of further
+//! unexpected messages are withheld until a receive takes them, so senders wait: nothing is
+//! lost, nothing errors, and the receiver's memory stays bounded (by the limit plus
+//! `recv_depth` eager messages per connection).
+//!
+//! # Failure
+//! A connection that fails fails what was in flight or queued on it, with the transport's
+//! status (`RetryExceeded` for a silent peer, `Flushed` for one that went away), and the
+//! receives naming that peer; every other peer is untouched. The bound is the provider's
+//! dead-peer detection (tcp: `dead_peer_timeout_ms`, 10 s by default; a killed process is
+//! seen at once). The next operation to the peer connects again.
+//!
+//! # Limits
+//! A connection is made inside the posting call (up to [`RdmConfig::connect_timeout`]),
+//! holding the endpoint. RDMA operations go to the provider at once and may overtake
+//! messages to the same peer that are still waiting for credits. An RDMA error (a bad
+//! key) puts the provider's connection in the error state: it is dropped, what was queued
+//! on it fails `Flushed`, and the next operation reconnects.
+#![forbid(unsafe_code)]
+
+mod ep;
+pub mod matching;
+pub mod wire;
+
+pub use ep::{
+    decode_name, Claimed, Peer, ProbeInfo, RdmCompletion, RdmConfig, RdmEndpoint, RdmOp, RdmStats,
+    RdmStatus, RecvBuf, RecvId, Source,
+};

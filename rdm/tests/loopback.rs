@@ -1,0 +1,113 @@
+//! Two RDM endpoints in one process over tcp: a pingpong and a stream, timed and printed
+//! (figures, not assertions), with the data checked.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fabric::prelude::*;
+use fabric_rdm::{RdmCompletion, RdmConfig, RdmEndpoint, RecvBuf, Source};
+
+fn tcp() -> Arc<AnyDomain> {
+    let (d, _) = fabric::Selector::new()
+        .providers("tcp")
+        .and_then(|s| s.open())
+        .expect("tcp domain");
+    Arc::new(d)
+}
+
+fn until(
+    ep: &RdmEndpoint,
+    other: &RdmEndpoint,
+    out: &mut Vec<RdmCompletion>,
+    ctx: u64,
+) -> RdmCompletion {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(Instant::now() < deadline, "no completion {ctx}");
+        other.progress().unwrap();
+        ep.poll(out).unwrap();
+        if let Some(i) = out.iter().position(|c| c.context == ctx) {
+            let c = out.remove(i);
+            assert!(c.is_ok(), "{c:?}");
+            return c;
+        }
+    }
+}
+
+#[test]
+fn pingpong_and_stream_deliver_and_report_their_pace() {
+    let (da, db) = (tcp(), tcp());
+    let a = RdmEndpoint::new(da.clone(), RdmConfig::default()).unwrap();
+    let b = RdmEndpoint::new(db.clone(), RdmConfig::default()).unwrap();
+    let ab = a.av_insert(b.addr());
+    let ba = b.av_insert(a.addr());
+    let sa = da.alloc(8, Access::LOCAL_WRITE).unwrap();
+    let sb = db.alloc(8, Access::LOCAL_WRITE).unwrap();
+    let ra = Arc::new(da.alloc(8, Access::LOCAL_WRITE).unwrap());
+    let rb = Arc::new(db.alloc(8, Access::LOCAL_WRITE).unwrap());
+    let iters = 2000u64;
+    let (mut oa, mut ob) = (Vec::new(), Vec::new());
+    let start = Instant::now();
+    for i in 0..iters {
+        sa.buffer().write(0, &i.to_le_bytes());
+        b.trecv(Source::Peer(ba), 1, 0, RecvBuf::whole(rb.clone()), 10)
+            .unwrap();
+        a.trecv(Source::Peer(ab), 2, 0, RecvBuf::whole(ra.clone()), 20)
+            .unwrap();
+        a.tsend(ab, 1, sa.all(), 1).unwrap();
+        until(&b, &a, &mut ob, 10);
+        sb.buffer().write(0, &rb.buffer().to_vec(0, 8));
+        b.tsend(ba, 2, sb.all(), 2).unwrap();
+        until(&a, &b, &mut oa, 20);
+        assert_eq!(ra.buffer().to_vec(0, 8), i.to_le_bytes());
+        until(&a, &b, &mut oa, 1);
+        until(&b, &a, &mut ob, 2);
+    }
+    let rtt = start.elapsed() / iters as u32;
+    let n = 5000usize;
+    let src = da.alloc(64 * n, Access::LOCAL_WRITE).unwrap();
+    let dst = Arc::new(db.alloc(64 * n, Access::LOCAL_WRITE).unwrap());
+    for i in 0..n {
+        src.buffer().write(64 * i, &(i as u64).to_le_bytes());
+    }
+    let start = Instant::now();
+    for i in 0..n {
+        b.trecv(
+            Source::Any,
+            3,
+            0,
+            RecvBuf::new(dst.clone(), 64 * i, 64),
+            1000 + i as u64,
+        )
+        .unwrap();
+        a.tsend(
+            ab,
+            3,
+            src.slice(64 * i..64 * (i + 1)).unwrap(),
+            1000 + i as u64,
+        )
+        .unwrap();
+    }
+    let mut got = 0;
+    let mut out = Vec::new();
+    while got < 2 * n {
+        a.poll(&mut out).unwrap();
+        b.poll(&mut out).unwrap();
+        got += out.iter().filter(|c| c.is_ok()).count();
+        assert!(out.iter().all(|c| c.is_ok()), "{out:?}");
+        out.clear();
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "stream stalled at {got}"
+        );
+    }
+    let t = start.elapsed();
+    for i in 0..n {
+        assert_eq!(dst.buffer().to_vec(64 * i, 8), (i as u64).to_le_bytes());
+    }
+    println!(
+        "rdm tcp loopback: 8 B tagged round trip {:.1} us; {n} x 64 B stream {:.2} Mmsg/s",
+        rtt.as_secs_f64() * 1e6,
+        n as f64 / t.as_secs_f64() / 1e6
+    );
+}
