@@ -7,6 +7,7 @@ mod info;
 mod perf;
 mod reliability;
 mod rping;
+mod scale;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -36,6 +37,9 @@ enum Cmd {
     Rping(rping::RpingArgs),
     /// Latency and bandwidth of one operation, in fabtests' columns (pingpong, bw, lat).
     Perf(perf::PerfArgs),
+    /// N connected pairs in one process: threads, memory per endpoint, connect time and
+    /// aggregate message rate, for each N.
+    Scale(scale::ScaleArgs),
     /// Run the conformance suite (semantics.md as tests) against providers.
     Conformance {
         /// Providers to test, comma separated.
@@ -115,6 +119,7 @@ fn main() -> ExitCode {
         Cmd::Demo(args) => demo::run(args),
         Cmd::Rping(args) => rping::run(args),
         Cmd::Perf(args) => perf::run(args),
+        Cmd::Scale(args) => scale::run(args),
         Cmd::Conformance {
             provider,
             peer,
