@@ -3,6 +3,7 @@
 
 mod allreduce;
 mod demo;
+mod doctor;
 mod info;
 mod perf;
 mod reliability;
@@ -33,6 +34,10 @@ enum Cmd {
     },
     /// A client and a server moving data with send/receive, write, read and atomics.
     Demo(demo::DemoArgs),
+    /// Checks the system before you blame the framework: rdma-core, kernel modules, devices
+    /// and ports, RoCE v2 GIDs, MTUs, memlock, traffic class / PFC / ECN; each pass, warn or
+    /// fail with the fix (exit code 1 when one fails).
+    Doctor(doctor::DoctorArgs),
     /// rdma-core's rping protocol, to check a provider against rdma-core's `rping`.
     Rping(rping::RpingArgs),
     /// Latency and bandwidth of one operation, in fabtests' columns (pingpong, bw, lat).
@@ -117,6 +122,7 @@ fn main() -> ExitCode {
     let result = match cli.cmd {
         Cmd::Info { json } => info::run(json),
         Cmd::Demo(args) => demo::run(args),
+        Cmd::Doctor(args) => doctor::run(args),
         Cmd::Rping(args) => rping::run(args),
         Cmd::Perf(args) => perf::run(args),
         Cmd::Scale(args) => scale::run(args),

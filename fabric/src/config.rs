@@ -115,8 +115,7 @@ pub const ENV_FAULT: &str = "FABRIC_FAULT";
 
 /// Every provider this framework knows, with availability, devices and capabilities.
 pub fn discover() -> Vec<ProviderInfo> {
-    let s = Selector::new();
-    PROVIDER_NAMES.iter().map(|&name| s.info(name)).collect()
+    Selector::new().discover()
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -500,6 +499,24 @@ impl Selector {
             #[cfg(not(feature = "verbs"))]
             "roce" | "iwarp" | "ib" => not_built_in(name),
             _ => fabric_tcp::info(),
+        }
+    }
+
+    /// Every provider's discovery entry under this selector's options (devices, addresses),
+    /// in the default order: what [`discover`] says, for this configuration.
+    pub fn discover(&self) -> Vec<ProviderInfo> {
+        PROVIDER_NAMES.iter().map(|&name| self.info(name)).collect()
+    }
+
+    /// The options of verbs provider `name` (`roce`, `iwarp`, `ib`) as configured;
+    /// `None` for other names.
+    #[cfg(feature = "verbs")]
+    pub fn verbs_options(&self, name: &str) -> Option<&VerbsOptions> {
+        match name {
+            fabric_roce::NAME => Some(&self.roce),
+            fabric_iwarp::NAME => Some(&self.iwarp),
+            fabric_ib::NAME => Some(&self.ib),
+            _ => None,
         }
     }
 

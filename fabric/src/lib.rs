@@ -44,6 +44,10 @@ pub use fabric_api::*;
 /// The tracing and fault-injecting wrappers ([`fabric_hook`]).
 pub use fabric_hook as hook;
 pub use fabric_hook::{FaultConfig, FaultStats, HookConfig, Trigger};
+/// The verbs core under the roce, iwarp and ib providers ([`fabric_verbs`]): device facts
+/// and rdma-core's loading, for diagnosis (`fabric doctor`). Only with the `verbs` feature.
+#[cfg(feature = "verbs")]
+pub use fabric_verbs as verbs;
 
 /// Everything an application needs in scope.
 pub mod prelude {
