@@ -45,6 +45,13 @@ enum Cmd {
     /// N connected pairs in one process: threads, memory per endpoint, connect time and
     /// aggregate message rate, for each N.
     Scale(scale::ScaleArgs),
+    /// Allreduce across ranks over the rdm layer, in nccl-tests' columns (`--np N` starts N
+    /// ranks here; under mpirun/srun ranks come from the launcher's environment).
+    Allreduce(allreduce::CollArgs),
+    /// Allgather across ranks, in nccl-tests' columns.
+    Allgather(allreduce::CollArgs),
+    /// Broadcast across ranks, in nccl-tests' columns.
+    Broadcast(allreduce::CollArgs),
     /// Run the conformance suite (semantics.md as tests) against providers.
     Conformance {
         /// Providers to test, comma separated.
@@ -125,6 +132,9 @@ fn main() -> ExitCode {
         Cmd::Doctor(args) => doctor::run(args),
         Cmd::Rping(args) => rping::run(args),
         Cmd::Perf(args) => perf::run(args),
+        Cmd::Allreduce(args) => allreduce::run(allreduce::Coll::Allreduce, args),
+        Cmd::Allgather(args) => allreduce::run(allreduce::Coll::Allgather, args),
+        Cmd::Broadcast(args) => allreduce::run(allreduce::Coll::Broadcast, args),
         Cmd::Scale(args) => scale::run(args),
         Cmd::Conformance {
             provider,
