@@ -4,8 +4,16 @@
 //! go through rdma_cm only (iWARP has no out-of-band QP setup).
 //!
 //! What iWARP lacks natively, and what this provider does about it:
-//! * **Atomics and immediate data**: not in RDMAP (RFC 5040); declared unsupported in the
-//!   capabilities and refused at post with `Unsupported` (emulation is later work).
+//! * **Atomics and immediate data**: not in RDMAP (RFC 5040), and siw implements none of
+//!   RFC 7306. Emulated between peers of this framework over base RDMAP (negotiated in the
+//!   connection's private data; see the fabric-verbs crate's `emu` module): an atomic is a
+//!   request written into the peer's emulation area, executed by the peer's provider (its
+//!   domain helper thread, so the target application need not poll) on the same 64-bit
+//!   atomic word as every framework atomic, the old value written back; one atomic is in
+//!   flight per endpoint. Immediate data is written into a ring slot of the peer's area
+//!   ahead of the send it belongs to; a write with immediate data is the write, that
+//!   record and a zero-length send, which consumes one posted receive after the data is
+//!   placed. Against a foreign iWARP peer both stay refused at post with `Unsupported`.
 //! * **Receiver not ready**: an iWARP Send that finds no posted receive is fatal (DDP
 //!   "no buffer" Terminate). The provider runs credit-based flow control so the contract's
 //!   "the sender waits" holds: each endpoint registers a small credit area and hands its
@@ -162,12 +170,14 @@ impl Flavor for Iwarp {
 
     fn profile(dev: &DeviceFacts) -> Profile {
         let mut unsupported = BTreeMap::new();
-        let atomics = "iWARP (RFC 5040 RDMAP) has no atomic operations; this device reports ATOMIC_NONE; emulation is later work";
-        let imm = "iWARP (RFC 5040 RDMAP) carries no immediate data; emulation is later work";
-        unsupported.insert("FETCH_ADD".to_string(), atomics.to_string());
-        unsupported.insert("COMPARE_SWAP".to_string(), atomics.to_string());
-        unsupported.insert("SEND_IMM".to_string(), imm.to_string());
-        unsupported.insert("WRITE_IMM".to_string(), imm.to_string());
+        // The emulation writes an atomic request (56 bytes) inline.
+        let emulate = dev.max_inline >= EMULATION_INLINE;
+        if !emulate {
+            let why = format!("iWARP (RFC 5040 RDMAP) has neither atomics nor immediate data, and the emulation needs inline writes of {EMULATION_INLINE} bytes; {} allows {}", dev.name, dev.max_inline);
+            for k in ["FETCH_ADD", "COMPARE_SWAP", "SEND_IMM", "WRITE_IMM"] {
+                unsupported.insert(k.to_string(), why.clone());
+            }
+        }
         // The kernel's soft-iWARP answers reads of any valid key (siw_qp_tx.c builds Read
         // Responses with siw_check_sgl_tx(pd, wqe, 0): key and bounds, no access right).
         let read_protection = dev.vendor_id != SIW_VENDOR_ID;
@@ -189,12 +199,17 @@ impl Flavor for Iwarp {
             emu("read sinks", OpSet::READ, "regions with LOCAL_WRITE are registered locally with REMOTE_WRITE too (iWARP read responses are tagged placements)"),
             emu("dead-peer detection", OpSet::SEND | OpSet::WRITE | OpSet::READ, "emulated, like UCX's keepalive: the queue pair has no ACK timer and the kernel's TCP socket under it no keepalive, so the domain's helper thread watches every endpoint; any completion or TCP segment from the peer is a sign of life, a quiet endpoint is probed with a delivery read, and one quiet for the dead-peer timeout ([iwarp] dead_peer_timeout_ms, default 10 s) is declared dead: the oldest outstanding operation completes RetryExceeded, the rest Flushed, the queue pair is destroyed"),
         ];
+        if emulate {
+            emulated.push(emu("atomics", OpSet::ATOMICS, "emulated between peers of this framework (iWARP has no atomics): the request is written into the peer's emulation area and executed there by the peer's provider on its domain helper thread (no help from the target application), atomic with respect to every framework atomic on the word, the old value written back; one atomic in flight per endpoint; unavailable against a foreign iWARP peer"));
+            emulated.push(emu("immediate data", OpSet::SEND_IMM | OpSet::WRITE_IMM, "emulated between peers of this framework (iWARP has no immediate data): the immediate is written into the peer's ring slot of the send ahead of it; a write with immediate data is the write, that record and a zero-length send consuming one posted receive after the data is placed; unavailable against a foreign iWARP peer"));
+        }
         if split {
             emulated.push(emu("scatter reads", OpSet::READ, &format!("a read into more than {} scatter entries is split into one RDMA Read per entry", dev.max_sge_rd.max(1))));
         }
         Profile {
             atomics: false,
             immediate: false,
+            emulate,
             credits: true,
             delivery_reads: true,
             split_reads: split,
@@ -219,6 +234,9 @@ impl Flavor for Iwarp {
         "no iWARP device (no RDMA device with iWARP transport)".into()
     }
 }
+
+/// The inline write the emulation of atomics needs (an atomic request).
+const EMULATION_INLINE: u32 = 56;
 
 /// IEEE vendor id the kernel's soft-iWARP reports ("bmt").
 const SIW_VENDOR_ID: u32 = 0x626d74;
@@ -246,7 +264,7 @@ mod tests {
     }
 
     #[test]
-    fn atomics_and_immediate_data_are_declared_unsupported_with_reasons() {
+    fn atomics_and_immediate_data_are_emulated_where_inline_writes_allow() {
         let dev = DeviceFacts {
             name: "siw0".into(),
             transport: Transport::Iwarp,
@@ -266,13 +284,27 @@ mod tests {
         };
         let p = Iwarp::profile(&dev);
         assert!(!p.atomics && !p.immediate && p.credits && p.split_reads && p.sink_remote_write);
+        assert!(p.emulate);
         assert!(p.liveness_probes && p.ack_timeout.is_none());
-        assert!(p
-            .emulated
-            .iter()
-            .any(|e| e.feature == "dead-peer detection" && e.how.starts_with("emulated")));
+        for f in ["dead-peer detection", "atomics", "immediate data"] {
+            assert!(
+                p.emulated
+                    .iter()
+                    .any(|e| e.feature == f && e.how.starts_with("emulated")),
+                "{f}"
+            );
+        }
         for k in ["FETCH_ADD", "COMPARE_SWAP", "SEND_IMM", "WRITE_IMM"] {
-            assert!(p.unsupported[k].contains("iWARP"), "{k}");
+            assert!(!p.unsupported.contains_key(k), "{k}");
+        }
+        let small = DeviceFacts {
+            max_inline: 32,
+            ..dev.clone()
+        };
+        let q = Iwarp::profile(&small);
+        assert!(!q.emulate);
+        for k in ["FETCH_ADD", "COMPARE_SWAP", "SEND_IMM", "WRITE_IMM"] {
+            assert!(q.unsupported[k].contains("inline"), "{k}");
         }
         assert!(Iwarp::accepts(&dev).is_ok());
         let roce = DeviceFacts {

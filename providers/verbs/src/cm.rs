@@ -244,6 +244,8 @@ struct RnrLists {
     blocked: Vec<Weak<EpCore>>,
     /// Watched for signs of life.
     watched: Vec<Weak<EpCore>>,
+    /// Served: emulated atomics (`EpCore::poll_emu`), polled adaptively.
+    served: Vec<Weak<EpCore>>,
 }
 
 #[derive(Debug, Default)]
@@ -251,6 +253,8 @@ struct RnrShared {
     lists: Mutex<RnrLists>,
     cv: Condvar,
     stop: AtomicBool,
+    /// An emulated atomic was just posted: poll the served endpoints quickly again.
+    hurry: AtomicBool,
 }
 
 impl Rnr {
@@ -311,6 +315,26 @@ impl Rnr {
     }
 }
 
+impl Rnr {
+    /// Serves an endpoint's emulated atomics until `EpCore::poll_emu` says to stop.
+    pub fn serve(&self, ep: Weak<EpCore>) {
+        self.start();
+        self.shared
+            .lists
+            .lock()
+            .expect("rnr poisoned")
+            .served
+            .push(ep);
+        self.hurry();
+    }
+
+    /// Polls the served endpoints at the quickest pace again (an atomic is in flight).
+    pub fn hurry(&self) {
+        self.shared.hurry.store(true, Ordering::Release);
+        self.shared.cv.notify_all();
+    }
+}
+
 impl Drop for Rnr {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
@@ -328,22 +352,41 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
     const MAX: Duration = Duration::from_millis(2);
     let mut delay = MIN;
     let mut next_watch = Instant::now();
+    let mut emu_delay = crate::emu::POLL_MIN;
+    let mut next_serve = Instant::now();
     loop {
-        let (batch, watch) = {
+        let (batch, watch, serve) = {
             let mut l = s.lists.lock().expect("rnr poisoned");
             loop {
                 if s.stop.load(Ordering::Acquire) {
                     return;
                 }
+                if s.hurry.swap(false, Ordering::AcqRel) {
+                    emu_delay = crate::emu::POLL_MIN;
+                    next_serve = Instant::now();
+                }
                 let watching = tick.is_some() && !l.watched.is_empty();
-                if !l.blocked.is_empty() || (watching && Instant::now() >= next_watch) {
+                let serving = !l.served.is_empty();
+                let now = Instant::now();
+                if !l.blocked.is_empty()
+                    || (watching && now >= next_watch)
+                    || (serving && now >= next_serve)
+                {
                     break;
                 }
-                l = if watching {
-                    let left = next_watch.saturating_duration_since(Instant::now());
-                    s.cv.wait_timeout(l, left).expect("rnr poisoned").0
-                } else {
-                    s.cv.wait(l).expect("rnr poisoned")
+                let until = [
+                    watching.then_some(next_watch),
+                    serving.then_some(next_serve),
+                ]
+                .into_iter()
+                .flatten()
+                .min();
+                l = match until {
+                    Some(t) => {
+                        let left = t.saturating_duration_since(now);
+                        s.cv.wait_timeout(l, left).expect("rnr poisoned").0
+                    }
+                    None => s.cv.wait(l).expect("rnr poisoned"),
                 };
                 delay = MIN;
             }
@@ -357,8 +400,33 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
                 }
                 _ => Vec::new(),
             };
-            (std::mem::take(&mut l.blocked), watch)
+            let serve = if Instant::now() >= next_serve {
+                std::mem::take(&mut l.served)
+            } else {
+                Vec::new()
+            };
+            (std::mem::take(&mut l.blocked), watch, serve)
         };
+        if !serve.is_empty() {
+            let mut busy = false;
+            let keep: Vec<Weak<EpCore>> = serve
+                .into_iter()
+                .filter(|w| {
+                    w.upgrade().is_some_and(|ep| {
+                        let (b, keep) = ep.poll_emu();
+                        busy |= b;
+                        keep
+                    })
+                })
+                .collect();
+            emu_delay = if busy {
+                crate::emu::POLL_MIN
+            } else {
+                (emu_delay * 2).min(crate::emu::POLL_MAX)
+            };
+            next_serve = Instant::now() + emu_delay;
+            s.lists.lock().expect("rnr poisoned").served.extend(keep);
+        }
         // No list lock is held while endpoints run (they take queue and endpoint locks).
         if !batch.is_empty() {
             let before = batch.len();

@@ -18,7 +18,8 @@ use fabric_api::{
 use crate::cm::{self, Cm, Mailbox, Rnr, Target};
 use crate::cq::{CqInner, VerbsCq};
 use crate::device::{self, DeviceFacts};
-use crate::ep::{CreditArea, EpCore, EpParts, VerbsEndpoint};
+use crate::emu::{self, AtomicKeys, ExtDesc};
+use crate::ep::{CreditArea, EmuLink, EpCore, EpParts, VerbsEndpoint};
 use crate::ffi::{self, access, cm_event, CmEvent, CmId, ConnParam, Ctx, HwCq, Mr, Pd, QpCaps};
 use crate::{Flavor, Profile, Selection, Transport, VerbsOptions};
 
@@ -115,7 +116,9 @@ fn limits_of(dev: &DeviceFacts, p: &Profile, port: u8) -> Limits {
         .find(|x| x.num == port)
         .map_or(1 << 31, |x| u64::from(x.max_msg))
         .max(1);
-    let header = pdata::HEADER + if p.credits { pdata::AREA_DESC_LEN } else { 0 };
+    let header = pdata::HEADER
+        + if p.credits { pdata::AREA_DESC_LEN } else { 0 }
+        + if emulates(dev, p) { emu::EXT_LEN } else { 0 };
     let pieces = pieces(dev, p);
     let extra_sq = if p.credits { CREDIT_SLOTS as u32 } else { 0 };
     let (cq_div, cq_extra) = if p.delivery_reads || p.split_reads || p.credits {
@@ -147,7 +150,16 @@ fn pieces(dev: &DeviceFacts, p: &Profile) -> usize {
         1
     };
     let writes = if p.delivery_reads { 2 } else { 1 };
-    reads.max(writes)
+    // An emulated write with immediate: the write, the immediate's record, a zero-length
+    // send, the delivery read.
+    let emulated = if p.emulate { 4 } else { 1 };
+    reads.max(writes).max(emulated)
+}
+
+/// True when the profile emulates atomics and immediate data and the device can carry the
+/// emulation's messages (inline writes of an atomic request).
+pub(crate) fn emulates(dev: &DeviceFacts, p: &Profile) -> bool {
+    p.emulate && p.credits && dev.max_inline >= emu::NEEDS_INLINE
 }
 
 fn ops_of(p: &Profile, limits: &Limits) -> OpSet {
@@ -164,6 +176,9 @@ fn ops_of(p: &Profile, limits: &Limits) -> OpSet {
     }
     if p.atomics {
         ops |= OpSet::ATOMICS;
+    }
+    if p.emulate && p.credits && limits.max_inline >= emu::NEEDS_INLINE {
+        ops |= OpSet::ATOMICS | OpSet::SEND_IMM | OpSet::WRITE_IMM;
     }
     ops
 }
@@ -211,10 +226,11 @@ fn empty_caps() -> Capabilities {
 
 fn caps_of(d: &DeviceFacts, p: &Profile, port: u8) -> Capabilities {
     let limits = limits_of(d, p, port);
+    let ops = ops_of(p, &limits);
     Capabilities {
-        ops: ops_of(p, &limits),
+        ops,
         limits,
-        imm_size: if p.immediate { 4 } else { 0 },
+        imm_size: if ops.contains(OpSet::SEND_IMM) { 4 } else { 0 },
         emulated: p.emulated.clone(),
         unsupported: p.unsupported.clone(),
     }
@@ -260,6 +276,11 @@ pub(crate) struct DomainInner {
     /// The dead-peer timeout, where the provider detects dead peers itself
     /// ([`Profile::liveness_probes`]).
     pub dead_peer: Option<std::time::Duration>,
+    /// The keys granting emulated atomics (regions registered with REMOTE_ATOMIC where
+    /// the profile emulates them).
+    pub atomic_keys: Arc<AtomicKeys>,
+    /// The profile emulates atomics and immediate data on this device.
+    pub emulates: bool,
 }
 
 impl fmt::Debug for DomainInner {
@@ -322,8 +343,17 @@ impl DomainInner {
         Ok(())
     }
 
-    fn frame(&self, app: &[u8], credit: Option<&(Arc<Buffer>, Mr)>) -> Vec<u8> {
-        pdata::frame(app, credit.map(|(b, m)| CreditArea::desc(b, m)))
+    fn frame(
+        &self,
+        app: &[u8],
+        credit: Option<&(Arc<Buffer>, Mr)>,
+        emu: Option<&(Arc<Buffer>, Mr, u32)>,
+    ) -> Vec<u8> {
+        let mut v = pdata::frame(app, credit.map(|(b, m)| CreditArea::desc(b, m)));
+        if let (Some(_), Some(e)) = (credit, emu) {
+            v.extend_from_slice(&EmuLink::desc(e).encode());
+        }
+        v
     }
 
     fn unframe(&self, raw: &[u8]) -> Result<(Vec<u8>, Option<PeerArea>)> {
@@ -437,6 +467,8 @@ impl<F: Flavor> VerbsDomain<F> {
                 id: fabric_api::region::next_domain_id(),
                 rnr: Rnr::new(F::NAME, dead_peer.map(crate::liveness_tick)),
                 dead_peer,
+                atomic_keys: Arc::default(),
+                emulates: emulates(&dev, &profile),
                 dev,
                 sel,
                 profile,
@@ -466,8 +498,8 @@ impl<F: Flavor> VerbsDomain<F> {
         id: CmId,
         cfg: &EndpointConfig<'_, VerbsCq<F>>,
         peer_private: Vec<u8>,
-        credit: Option<CreditArea>,
-        sink: Option<(Arc<Buffer>, Mr)>,
+        (credit, sink): CreditPair,
+        (emu, foreign): (Option<EmuLink>, bool),
         hw_sq_cap: usize,
     ) -> VerbsEndpoint<F> {
         let core = EpCore::new(EpParts {
@@ -481,6 +513,8 @@ impl<F: Flavor> VerbsDomain<F> {
             peer_private,
             credit,
             sink,
+            emu,
+            foreign,
         });
         VerbsEndpoint {
             core,
@@ -511,6 +545,26 @@ impl<F: Flavor> VerbsDomain<F> {
                 )
             })?;
         Ok(got.send_wr as usize)
+    }
+
+    /// The endpoint's emulation area, where the domain emulates atomics and immediate
+    /// data: one immediate-data slot per receive-queue entry.
+    fn emu_area(&self, rq_depth: u32) -> Result<Option<(Arc<Buffer>, Mr, u32)>> {
+        if !self.inner.emulates {
+            return Ok(None);
+        }
+        let slots = rq_depth.clamp(1, emu::MAX_IMM_SLOTS);
+        let buf = Arc::new(Buffer::new(emu::area_len(slots)));
+        let mr = self
+            .inner
+            .register_raw(&buf, ffi::access::LOCAL_WRITE | ffi::access::REMOTE_WRITE)?;
+        tracing::debug!(
+            addr = buf.addr(),
+            len = buf.len(),
+            stag = mr.rkey(),
+            "emulation area registered"
+        );
+        Ok(Some((buf, mr, slots)))
     }
 
     fn credit_area(&self) -> Result<Option<(Arc<Buffer>, Mr)>> {
@@ -663,11 +717,14 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
         if acc.contains(Access::REMOTE_READ) {
             remote |= access::REMOTE_READ;
         }
+        let emulated_atomic = acc.contains(Access::REMOTE_ATOMIC) && !d.profile.atomics;
         if acc.contains(Access::REMOTE_ATOMIC) {
-            if !d.profile.atomics {
-                // iWARP has no atomics: the key simply grants none.
-            } else {
+            if d.profile.atomics {
                 remote |= access::REMOTE_ATOMIC;
+            } else {
+                // iWARP has no atomics: the device key grants none, but it must exist (a
+                // key the peer names in emulated atomics, which the provider checks).
+                remote |= access::LOCAL_WRITE;
             }
         }
         let local_mr = d.register_raw(&buffer, local)?;
@@ -679,11 +736,17 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
         } else {
             None
         };
+        let rkey = remote_mr.as_ref().map_or(0, Mr::rkey);
+        let atomic_keys = (emulated_atomic && d.emulates).then(|| {
+            d.atomic_keys.insert(rkey, buffer.clone());
+            d.atomic_keys.clone()
+        });
         let reg = VerbsRegistration {
             lkey: local_mr.lkey(),
-            rkey: remote_mr.as_ref().map_or(0, Mr::rkey),
+            rkey,
             _local: local_mr,
             remote: Mutex::new(remote_mr),
+            atomic_keys,
         };
         Ok(MemoryRegion::new(buffer, acc, d.id, Box::new(reg)))
     }
@@ -832,7 +895,8 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
         )?;
         let hw_sq_cap = self.make_qp(id, cfg)?;
         let credit = self.credit_area()?;
-        let private = d.frame(cfg.private_data, credit.as_ref());
+        let emu_local = self.emu_area(cfg.rq_depth)?;
+        let private = d.frame(cfg.private_data, credit.as_ref(), emu_local.as_ref());
         let rd = d.rd_atom();
         // rdma_connect blocks in the kernel on iWARP (siw connects its TCP socket
         // synchronously, for minutes when nobody answers): run it on a helper thread that
@@ -943,9 +1007,19 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
                 return Err(e);
             }
         };
+        let peer_ext = ExtDesc::find(&ev.private_data, peer_private.len());
+        let foreign = ev.private_data.first() != Some(&pdata::MAGIC);
         let (credit, sink) = CreditArea::pair(credit, peer_credit);
+        let emu = EmuLink::pair(emu_local, peer_ext, credit.is_some());
         let id = guard.id.take().expect("still held");
-        let ep = self.endpoint(id, cfg, peer_private, credit, sink, hw_sq_cap);
+        let ep = self.endpoint(
+            id,
+            cfg,
+            peer_private,
+            (credit, sink),
+            (emu, foreign),
+            hw_sq_cap,
+        );
         self.go_live(&ep, &mb);
         Ok(ep)
     }
@@ -1010,11 +1084,18 @@ impl<F: Flavor> spi::Listener for VerbsListener<F> {
                     continue;
                 }
             };
-            match self.finish_accept(&mut id, cfg, &ev, peer_credit) {
-                Ok((mb, (credit, sink), hw_sq_cap)) => {
-                    let ep = self
-                        .dom
-                        .endpoint(id, cfg, peer_private, credit, sink, hw_sq_cap);
+            let peer_ext = ExtDesc::find(&ev.private_data, peer_private.len());
+            let foreign = ev.private_data.first() != Some(&pdata::MAGIC);
+            match self.finish_accept(&mut id, cfg, &ev, peer_credit, peer_ext) {
+                Ok((mb, (credit, sink), emu, hw_sq_cap)) => {
+                    let ep = self.dom.endpoint(
+                        id,
+                        cfg,
+                        peer_private,
+                        (credit, sink),
+                        (emu, foreign),
+                        hw_sq_cap,
+                    );
                     self.dom.go_live(&ep, &mb);
                     return Ok(ep);
                 }
@@ -1046,14 +1127,16 @@ impl<F: Flavor> VerbsListener<F> {
         cfg: &EndpointConfig<'_, VerbsCq<F>>,
         req: &CmEvent,
         peer_credit: Option<(u64, u32)>,
-    ) -> Result<(Arc<Mailbox>, CreditPair, usize)> {
+        peer_ext: Option<ExtDesc>,
+    ) -> Result<(Arc<Mailbox>, CreditPair, Option<EmuLink>, usize)> {
         let d = &self.dom.inner;
         let mb = Arc::new(Mailbox::default());
         d.cm.register(id.key(), Target::Mailbox(mb.clone()));
         let hw_sq_cap = self.dom.make_qp(id, cfg)?;
         d.set_ack_timeout(id)?;
         let credit = self.dom.credit_area()?;
-        let private = d.frame(cfg.private_data, credit.as_ref());
+        let emu_local = self.dom.emu_area(cfg.rq_depth)?;
+        let private = d.frame(cfg.private_data, credit.as_ref(), emu_local.as_ref());
         let rd = d.rd_atom();
         id.accept(&ConnParam {
             private_data: &private,
@@ -1071,7 +1154,9 @@ impl<F: Flavor> VerbsListener<F> {
             "accepting a connection",
             cfg.timeout,
         )?;
-        Ok((mb, CreditArea::pair(credit, peer_credit), hw_sq_cap))
+        let (credit, sink) = CreditArea::pair(credit, peer_credit);
+        let emu = EmuLink::pair(emu_local, peer_ext, credit.is_some());
+        Ok((mb, (credit, sink), emu, hw_sq_cap))
     }
 }
 
@@ -1100,6 +1185,8 @@ struct VerbsRegistration {
     rkey: u32,
     _local: Mr,
     remote: Mutex<Option<Mr>>,
+    /// Where the key grants emulated atomics: the domain's map it is in.
+    atomic_keys: Option<Arc<AtomicKeys>>,
 }
 
 impl fmt::Debug for VerbsRegistration {
@@ -1119,8 +1206,15 @@ impl Registration for VerbsRegistration {
         self.rkey
     }
     fn revoke(&self) {
-        // ibv_dereg_mr of the remote registration: the key is dead when this returns.
-        drop(self.remote.lock().expect("registration poisoned").take());
+        // ibv_dereg_mr of the remote registration: the key is dead when this returns. The
+        // emulated-atomics grant goes first, before the device may reuse the key.
+        let mut remote = self.remote.lock().expect("registration poisoned");
+        if let Some(k) = &self.atomic_keys {
+            if remote.is_some() {
+                k.remove(self.rkey);
+            }
+        }
+        drop(remote.take());
     }
 }
 
@@ -1150,6 +1244,7 @@ mod tests {
         let mut p = Profile {
             atomics: false,
             immediate: false,
+            emulate: false,
             credits: true,
             delivery_reads: true,
             split_reads: true,

@@ -25,6 +25,7 @@ use fabric_api::{
 
 use crate::cq::{CompletionTarget, CqInner, CqState};
 use crate::domain::DomainInner;
+use crate::emu::{self, AmoOp, AmoReply, AmoReq, ExtDesc, ImmRec};
 use crate::ffi::{self, CmId, HwCq, HwOp, HwWr, Mr, Sge, Wc};
 use crate::status::{self, wc};
 use crate::sync::{Rank, Ranked, RankedGuard};
@@ -105,6 +106,80 @@ impl CreditArea {
     }
 }
 
+/// The emulation of atomics and immediate data on a connection (both sides offered it):
+/// our emulation area and the peer's (see [`crate::emu`]).
+#[derive(Debug)]
+pub(crate) struct EmuLink {
+    /// Our area (the peer writes into it), and its registration (alive as long as the
+    /// endpoint).
+    pub buf: Arc<Buffer>,
+    _mr: Mr,
+    /// Immediate-data slots in our area.
+    pub slots: u32,
+    /// The peer's area.
+    pub peer: ExtDesc,
+}
+
+impl EmuLink {
+    /// Our area's trailer for the private data.
+    pub fn desc((buf, mr, slots): &(Arc<Buffer>, Mr, u32)) -> ExtDesc {
+        ExtDesc {
+            flags: emu::FLAG_ATOMICS | emu::FLAG_IMMEDIATE,
+            imm_slots: *slots,
+            addr: buf.addr(),
+            stag: mr.rkey(),
+        }
+    }
+
+    /// The link when both sides offered the whole emulation and the peer runs credits
+    /// (immediate data relies on them); else none, and the area is dropped.
+    pub fn pair(
+        local: Option<(Arc<Buffer>, Mr, u32)>,
+        peer: Option<ExtDesc>,
+        credits: bool,
+    ) -> Option<EmuLink> {
+        let (buf, mr, slots) = local?;
+        let all = emu::FLAG_ATOMICS | emu::FLAG_IMMEDIATE;
+        match peer {
+            Some(p) if credits && p.flags & all == all => Some(EmuLink {
+                buf,
+                _mr: mr,
+                slots,
+                peer: p,
+            }),
+            _ => {
+                tracing::debug!("the peer offers no emulation of atomics and immediate data: neither is available on this connection");
+                None
+            }
+        }
+    }
+}
+
+/// A provider-internal record that is filled in when its group goes to the device.
+#[derive(Debug, Clone)]
+enum EmuRec {
+    /// The write of an immediate-data record into the peer's ring.
+    Imm(ImmRec),
+    /// An emulated atomic (the application's request): its request write, then the wait
+    /// for the reply.
+    Amo(Box<AmoRec>),
+}
+
+/// An emulated atomic in flight.
+#[derive(Debug, Clone)]
+struct AmoRec {
+    op: AmoOp,
+    addr: u64,
+    rkey: u32,
+    /// The result buffer (8 bytes at `off`).
+    result: RegionRef,
+    off: usize,
+    /// Sequence number, once the request went to the device.
+    seq: u64,
+    /// The request write completed: the record waits for the reply only.
+    sent: bool,
+}
+
 /// What to report for an application request.
 #[derive(Debug, Clone, Copy)]
 struct UserRec {
@@ -133,13 +208,21 @@ struct SqRec {
     /// The real error of an earlier piece of this record's group (the group's last
     /// record reports it instead of its own flush).
     group_err: Option<(ErrorKind, Option<ProviderCode>)>,
+    /// Filled in when posted (emulated immediate data and atomics).
+    emu: Option<EmuRec>,
     /// Regions in use: memory stays alive until the record completes.
     _holds: Vec<RegionRef>,
 }
 
 impl SqRec {
+    /// On the device (posted, not completed by it).
     fn posted(&self) -> bool {
-        self.wr.is_none() && self.failed.is_none()
+        self.wr.is_none() && self.failed.is_none() && !self.awaiting_reply()
+    }
+
+    /// An emulated atomic whose request the device sent: it waits for the peer's reply.
+    fn awaiting_reply(&self) -> bool {
+        matches!(&self.emu, Some(EmuRec::Amo(a)) if a.sent)
     }
 }
 
@@ -191,6 +274,15 @@ struct Ledger {
     probe: Option<u64>,
     /// The kernel could not tell when the TCP socket last heard the peer (logged once).
     tcp_blind: bool,
+    /// Emulated atomics: the last request sequence number we sent, the one whose reply we
+    /// wait for, and the last request of the peer we served.
+    amo_sent: u64,
+    amo_wait: Option<u64>,
+    amo_served: u64,
+    /// Receives completed (the ordinal of the next send to arrive: emulated immediates).
+    recvs_done: u64,
+    /// A refused emulated atomic: disconnect once this reply record completed.
+    kill_after: Option<u64>,
 }
 
 /// The shared core of an endpoint.
@@ -210,6 +302,14 @@ pub(crate) struct EpCore {
     /// A peer not of this framework (no credit area): our own area, the sink of the
     /// zero-length delivery reads.
     sink: Option<(Arc<Buffer>, Mr)>,
+    /// Emulated atomics and immediate data, when both sides offered them.
+    emu: Option<EmuLink>,
+    /// The peer is not of this framework at all (its private data has no frame): a
+    /// foreign iWARP stack gets no zero-length RDMA Reads (no delivery reads, no liveness
+    /// probes), because siw answers them with the length of an earlier response (Linux 6.1
+    /// `siw_init_rresp` leaves the transmit work's byte count of the previous operation;
+    /// seen as `siw: rresp len: 64 != 0` and a Terminate), which kills the connection.
+    foreign: bool,
     /// The ledger. Ranks after completion-queue locks (see [`crate::sync`]): code holding
     /// it never takes a completion queue's lock.
     st: Ranked<Ledger>,
@@ -246,9 +346,25 @@ fn post_error(e: &std::io::Error) -> Error {
 
 /// A planned application request: its hardware requests and what to report.
 struct Plan {
-    wrs: Vec<(HwWr, bool)>,
+    wrs: Vec<(HwWr, bool, Option<EmuRec>)>,
     user: UserRec,
     holds: Vec<RegionRef>,
+}
+
+/// A provider-internal inline write into the peer's emulation area: address and payload
+/// are filled in when its group goes to the device (`EpCore::post_next_group`).
+fn emu_write(fence: bool) -> HwWr {
+    HwWr {
+        wr_id: 0,
+        op: HwOp::Write {
+            addr: 0,
+            rkey: 0,
+            imm: None,
+        },
+        sges: Vec::new(),
+        inline: Some(Vec::new()),
+        fence,
+    }
 }
 
 /// Construction parameters of an endpoint.
@@ -263,6 +379,8 @@ pub(crate) struct EpParts {
     pub peer_private: Vec<u8>,
     pub credit: Option<CreditArea>,
     pub sink: Option<(Arc<Buffer>, Mr)>,
+    pub emu: Option<EmuLink>,
+    pub foreign: bool,
 }
 
 impl EpCore {
@@ -288,6 +406,8 @@ impl EpCore {
             peer_private: p.peer_private,
             credit: p.credit,
             sink: p.sink,
+            emu: p.emu,
+            foreign: p.foreign,
             st: Ranked::new(
                 Rank::Endpoint,
                 Ledger {
@@ -312,6 +432,11 @@ impl EpCore {
                     last_life: Instant::now(),
                     probe: None,
                     tcp_blind: false,
+                    amo_sent: 0,
+                    amo_wait: None,
+                    amo_served: 0,
+                    recvs_done: 0,
+                    kill_after: None,
                 },
             ),
         });
@@ -319,8 +444,11 @@ impl EpCore {
         if !Arc::ptr_eq(&core.send_cq, &core.recv_cq) {
             core.recv_cq.lock().qps.insert(qpn, core.clone());
         }
-        if core.dom.dead_peer.is_some() {
+        if core.dom.dead_peer.is_some() && !core.foreign {
             core.dom.rnr.watch(Arc::downgrade(&core));
+        }
+        if core.emu.is_some() {
+            core.dom.rnr.serve(Arc::downgrade(&core));
         }
         if let Some(t) = core.dom.profile.min_rnr_timer {
             if let Err(e) = core.id.set_min_rnr_timer(t) {
@@ -383,6 +511,19 @@ impl EpCore {
         Error::unsupported(format!("{what} on {}: {why}", self.dom.dev.name))
     }
 
+    /// The connection's emulation of atomics and immediate data, or why `what` is not
+    /// available on it.
+    fn emulation(&self, what: &str) -> Result<&EmuLink> {
+        match &self.emu {
+            Some(e) => Ok(e),
+            None if self.dom.emulates => Err(Error::unsupported(format!(
+                "{what} on {}: emulated only between peers of this framework, and this peer did not offer the emulation (a foreign iWARP stack, or the emulation is off)",
+                self.dom.dev.name
+            ))),
+            None => Err(self.unsupported(what)),
+        }
+    }
+
     fn inline_copy(&self, sges: &[Sge], holds: &[RegionRef], total: u64) -> Result<Vec<u8>> {
         let max = self.dom.limits.max_inline;
         if total > u64::from(max) {
@@ -412,7 +553,11 @@ impl EpCore {
             // STag 0). RDMAP orders a Read Request behind the messages before it, so its
             // response confirms their delivery; it names no memory on either side. One
             // entry of length 0 in our own area rather than none: siw takes the sink
-            // STag from the first entry even when there is none.
+            // STag from the first entry even when there is none. Never to a foreign
+            // stack (see `foreign`).
+            if self.foreign {
+                return None;
+            }
             let (buf, mr) = self.sink.as_ref()?;
             return Some(HwWr {
                 wr_id: 0,
@@ -453,42 +598,75 @@ impl EpCore {
             inline,
             fence,
         };
-        let (wrs, holds, byte_len): (Vec<HwWr>, Vec<RegionRef>, u64) = match wr.op {
+        type Planned = Vec<(HwWr, Option<EmuRec>)>;
+        let (wrs, holds, byte_len): (Planned, Vec<RegionRef>, u64) = match wr.op {
             SendOp::Send { sgl, imm } => {
-                if imm.is_some() && !p.immediate {
-                    return Err(self.unsupported("SEND_IMM"));
-                }
+                let emulated = match imm {
+                    Some(v) if !p.immediate => {
+                        self.emulation("SEND_IMM")?;
+                        Some(v)
+                    }
+                    _ => None,
+                };
                 let (sges, holds, total) = self.sges(sgl, Access::empty())?;
                 let data = if inline {
                     Some(self.inline_copy(&sges, &holds, total)?)
                 } else {
                     None
                 };
-                (vec![hw(HwOp::Send { imm }, sges, data)], holds, total)
+                let mut v = Vec::with_capacity(2);
+                if let Some(imm) = emulated {
+                    // The immediate goes into the peer's ring slot of this send first.
+                    let rec = ImmRec {
+                        kind: emu::IMM_SEND,
+                        imm,
+                        len: 0,
+                    };
+                    v.push((emu_write(fence), Some(EmuRec::Imm(rec))));
+                }
+                let imm = if emulated.is_some() { None } else { imm };
+                v.push((hw(HwOp::Send { imm }, sges, data), None));
+                (v, holds, total)
             }
             SendOp::Write { sgl, remote, imm } => {
-                if imm.is_some() && !p.immediate {
-                    return Err(self.unsupported("WRITE_IMM"));
-                }
+                let emulated = match imm {
+                    Some(v) if !p.immediate => {
+                        self.emulation("WRITE_IMM")?;
+                        Some(v)
+                    }
+                    _ => None,
+                };
                 let (sges, holds, total) = self.sges(sgl, Access::empty())?;
                 let data = if inline {
                     Some(self.inline_copy(&sges, &holds, total)?)
                 } else {
                     None
                 };
-                (
-                    vec![hw(
+                let mut v = vec![(
+                    hw(
                         HwOp::Write {
                             addr: remote.addr,
                             rkey: remote.key,
-                            imm,
+                            imm: if emulated.is_some() { None } else { imm },
                         },
                         sges,
                         data,
-                    )],
-                    holds,
-                    total,
-                )
+                    ),
+                    None,
+                )];
+                if let Some(imm) = emulated {
+                    // Then the immediate and the written length into the peer's ring, then
+                    // a zero-length send that consumes one posted receive: RDMAP delivers
+                    // it only after both writes were placed.
+                    let rec = ImmRec {
+                        kind: emu::IMM_WRITE,
+                        imm,
+                        len: total,
+                    };
+                    v.push((emu_write(false), Some(EmuRec::Imm(rec))));
+                    v.push((hw(HwOp::Send { imm: None }, Vec::new(), None), None));
+                }
+                (v, holds, total)
             }
             SendOp::Read { sgl, remote } => {
                 if inline {
@@ -504,7 +682,7 @@ impl EpCore {
                         let mut r = r;
                         r.fence = fence;
                         return Ok(Plan {
-                            wrs: vec![(r, false)],
+                            wrs: vec![(r, false, None)],
                             user: UserRec {
                                 context: wr.context,
                                 opcode: Opcode::Read,
@@ -529,16 +707,19 @@ impl EpCore {
                                 None,
                             );
                             off += u64::from(s.len);
-                            w
+                            (w, None)
                         })
                         .collect()
                 } else {
-                    vec![hw(
-                        HwOp::Read {
-                            addr: remote.addr,
-                            rkey: remote.key,
-                        },
-                        sges,
+                    vec![(
+                        hw(
+                            HwOp::Read {
+                                addr: remote.addr,
+                                rkey: remote.key,
+                            },
+                            sges,
+                            None,
+                        ),
                         None,
                     )]
                 };
@@ -546,10 +727,10 @@ impl EpCore {
             }
             SendOp::Atomic { result, remote, op } => {
                 if !p.atomics {
-                    return Err(self.unsupported(match op {
+                    self.emulation(match op {
                         AtomicOp::FetchAdd { .. } => "FETCH_ADD",
                         AtomicOp::CompareSwap { .. } => "COMPARE_SWAP",
-                    }));
+                    })?;
                 }
                 if result.len() != 8 {
                     return Err(Error::invalid(format!(
@@ -570,6 +751,35 @@ impl EpCore {
                 }
                 let (sges, holds, _) =
                     self.sges(std::slice::from_ref(&result), Access::LOCAL_WRITE)?;
+                if !p.atomics {
+                    // Emulated: the request goes into the peer's request slot; the record
+                    // completes when the reply is back (see `poll_emu`).
+                    let amo = AmoRec {
+                        op: match op {
+                            AtomicOp::FetchAdd { add } => AmoOp::FetchAdd { add },
+                            AtomicOp::CompareSwap { compare, swap } => {
+                                AmoOp::CompareSwap { compare, swap }
+                            }
+                        },
+                        addr: remote.addr,
+                        rkey: remote.key,
+                        result: holds[0].clone(),
+                        off: result.offset(),
+                        seq: 0,
+                        sent: false,
+                    };
+                    let w = (emu_write(fence), Some(EmuRec::Amo(Box::new(amo))));
+                    return Ok(Plan {
+                        wrs: vec![(w.0, false, w.1)],
+                        user: UserRec {
+                            context: wr.context,
+                            opcode: wr.opcode(),
+                            signaled: wr.flags.contains(SendFlags::SIGNALED),
+                            byte_len: 8,
+                        },
+                        holds,
+                    });
+                }
                 let op = match op {
                     AtomicOp::FetchAdd { add } => HwOp::FetchAdd {
                         addr: remote.addr,
@@ -583,14 +793,14 @@ impl EpCore {
                         swap,
                     },
                 };
-                (vec![hw(op, sges, None)], holds, 8)
+                (vec![(hw(op, sges, None), None)], holds, 8)
             }
         };
-        let mut wrs: Vec<(HwWr, bool)> = wrs
+        let mut wrs: Vec<(HwWr, bool, Option<EmuRec>)> = wrs
             .into_iter()
-            .map(|w| {
+            .map(|(w, e)| {
                 let is_send = matches!(w.op, HwOp::Send { .. });
-                (w, is_send)
+                (w, is_send, e)
             })
             .collect();
         if p.delivery_reads && matches!(wr.op, SendOp::Send { .. } | SendOp::Write { .. }) {
@@ -599,7 +809,7 @@ impl EpCore {
                 // confirmed before this one leaves, so when the peer terminates the
                 // connection the first unconfirmed request is the one it refused.
                 wrs[0].0.fence = true;
-                wrs.push((r, false));
+                wrs.push((r, false, None));
             }
         }
         Ok(Plan {
@@ -644,7 +854,7 @@ impl EpCore {
         }
         let n = plan.wrs.len();
         let mut holds = Some(plan.holds);
-        for (i, (w, is_send)) in plan.wrs.into_iter().enumerate() {
+        for (i, (w, is_send, emu)) in plan.wrs.into_iter().enumerate() {
             let last = i + 1 == n;
             let seq = l.next_seq;
             l.next_seq += 1;
@@ -657,6 +867,7 @@ impl EpCore {
                 is_send,
                 failed: None,
                 group_err: None,
+                emu,
                 _holds: if last {
                     holds.take().unwrap_or_default()
                 } else {
@@ -702,6 +913,11 @@ impl EpCore {
 
     /// Posts the first unposted group.
     fn post_next_group(&self, l: &mut Ledger) -> Posted {
+        if l.amo_wait.is_some() {
+            // An emulated atomic waits for its reply: what was posted after it waits too
+            // (completions in posting order; one request slot per connection).
+            return Posted::Later;
+        }
         let start = l.sq.len() - l.pending;
         let mut end = start;
         while end < l.sq.len() {
@@ -724,9 +940,41 @@ impl EpCore {
             return Posted::Later;
         }
         let mut wrs: Vec<HwWr> = Vec::with_capacity(group.len());
+        let mut sends_before = 0u64;
+        let mut amo_seq = None;
         for r in l.sq.range(group.clone()) {
             let mut w = r.wr.clone().expect("unposted record has its request");
             w.wr_id = r.seq;
+            if let (Some(rec), Some(e)) = (&r.emu, &self.emu) {
+                let (off, payload) = match rec {
+                    EmuRec::Imm(imm) => {
+                        // Sends reach the device in ledger order: this one's ordinal.
+                        let ordinal = l.sends_hw + sends_before;
+                        let slot = (ordinal % u64::from(e.peer.imm_slots)) as usize;
+                        (emu::IMM_OFF + emu::IMM_SLOT * slot, imm.encode(ordinal))
+                    }
+                    EmuRec::Amo(a) => {
+                        let seq = l.amo_sent + 1;
+                        amo_seq = Some(seq);
+                        let req = AmoReq {
+                            seq,
+                            op: a.op,
+                            addr: a.addr,
+                            rkey: a.rkey,
+                        };
+                        (emu::REQ_OFF, req.encode())
+                    }
+                };
+                w.op = HwOp::Write {
+                    addr: e.peer.addr.wrapping_add(off as u64),
+                    rkey: e.peer.stag,
+                    imm: None,
+                };
+                w.inline = Some(payload);
+            }
+            if r.is_send {
+                sends_before += 1;
+            }
             wrs.push(w);
         }
         // SAFETY: every entry names memory registered in this domain and held by the
@@ -747,6 +995,17 @@ impl EpCore {
             l.sq.range(start..start + posted)
                 .filter(|r| r.is_send)
                 .count() as u64;
+        if let Some(seq) = amo_seq {
+            // The atomic is alone in its group.
+            if posted == 1 {
+                if let Some(EmuRec::Amo(a)) = l.sq[start].emu.as_mut() {
+                    a.seq = seq;
+                }
+                l.amo_sent = seq;
+                l.amo_wait = Some(seq);
+                self.dom.rnr.hurry();
+            }
+        }
         match r {
             Ok(()) => Posted::Yes,
             Err((_, e)) => {
@@ -1036,6 +1295,166 @@ impl EpCore {
         self.recv_cq.notify();
     }
 
+    // ----- emulated atomics (see `crate::emu`) ---------------------------------------
+
+    /// Serves the emulation of atomics (called by the domain's helper thread, no lock
+    /// held): completes our atomic whose reply arrived and executes the peer's request.
+    /// Returns whether there is work in flight (poll again soon) and whether to keep
+    /// serving the endpoint.
+    pub fn poll_emu(self: &Arc<Self>) -> (bool, bool) {
+        let Some(e) = &self.emu else {
+            return (false, false);
+        };
+        let (wait, killing, served) = {
+            let l = self.lock();
+            if l.torn_down {
+                return (false, false);
+            }
+            (l.amo_wait, l.kill_after.is_some(), l.amo_served)
+        };
+        let mut busy = wait.is_some() || killing;
+        if let Some(seq) = wait {
+            if let Some(reply) = AmoReply::read(&e.buf).filter(|r| r.seq == seq) {
+                self.complete_amo(reply);
+            }
+        }
+        if killing {
+            // The reply to a refused atomic is on its way: reap its completion, which
+            // disconnects (the target application may never poll).
+            self.send_cq.reap();
+        }
+        if let Some(req) = AmoReq::read(&e.buf).filter(|r| r.seq == served.wrapping_add(1)) {
+            self.serve_amo(e, req);
+            busy = true;
+        }
+        let l = self.lock();
+        let keep = !l.torn_down && (l.status == EndpointState::Connected || l.kill_after.is_some());
+        (busy, keep)
+    }
+
+    /// Completes our emulated atomic with the peer's reply (helper thread, no lock held).
+    fn complete_amo(self: &Arc<Self>, reply: AmoReply) {
+        let mut cst = self.send_cq.lock();
+        // The request's own completion first (it must have left before its reply counts).
+        self.send_cq.drain(&mut cst);
+        let mut l = self.lock();
+        if l.amo_wait != Some(reply.seq) {
+            return;
+        }
+        let Some(pos) = l
+            .sq
+            .iter()
+            .position(|r| matches!(&r.emu, Some(EmuRec::Amo(a)) if a.seq == reply.seq && a.sent))
+        else {
+            return;
+        };
+        let mut r = l.sq.remove(pos).expect("position is valid");
+        l.amo_wait = None;
+        l.progress = l.progress.wrapping_add(1);
+        let Some(u) = r.user.take() else {
+            return;
+        };
+        l.user_sq -= 1;
+        match (reply.result, &r.emu) {
+            (Ok(old), Some(EmuRec::Amo(a))) => {
+                a.result.buffer().write(a.off, &old.to_ne_bytes());
+                self.push_user(&self.send_cq, &mut cst, u, None);
+            }
+            (res, _) => {
+                let kind = res.err().unwrap_or(ErrorKind::RemoteOperation);
+                tracing::debug!(
+                    qp = self.qpn,
+                    seq = reply.seq,
+                    ?kind,
+                    "the peer refused an emulated atomic: endpoint enters the error state"
+                );
+                if l.status == EndpointState::Connected {
+                    l.status = EndpointState::Error;
+                }
+                l.attributed = true;
+                self.push_user(&self.send_cq, &mut cst, u, Some((kind, None)));
+                let _ = self.id.disconnect();
+            }
+        }
+        self.note_dead(&mut l);
+        if l.status == EndpointState::Connected {
+            self.release_pending(&mut l);
+            self.send_credit(&mut l);
+            self.note_blocked(&mut l);
+        } else {
+            self.flush_unposted(&mut l, &mut cst);
+        }
+        drop(l);
+        drop(cst);
+        self.send_cq.notify();
+    }
+
+    /// Executes the peer's atomic request and writes the reply (helper thread, no lock
+    /// held). A refused request puts the endpoint in the error state; it disconnects once
+    /// the reply left.
+    fn serve_amo(self: &Arc<Self>, e: &EmuLink, req: AmoReq) {
+        // A slot for the reply; reaping for it takes the queue's lock (no ledger lock).
+        if !self.send_cq.reserve_internal_reaping(1) {
+            return;
+        }
+        let mut l = self.lock();
+        if l.status != EndpointState::Connected
+            || l.torn_down
+            || req.seq != l.amo_served.wrapping_add(1)
+            || l.hw_sq >= self.hw_sq_cap
+        {
+            drop(l);
+            self.send_cq.release_internal(1);
+            return;
+        }
+        let result = self.dom.atomic_keys.execute(&req);
+        tracing::trace!(qp = self.qpn, seq = req.seq, op = ?req.op, addr = req.addr, rkey = req.rkey, ?result, "emulated atomic executed");
+        l.amo_served = req.seq;
+        l.progress = l.progress.wrapping_add(1);
+        let seq = l.next_seq;
+        l.next_seq += 1;
+        let w = HwWr {
+            wr_id: seq,
+            op: HwOp::Write {
+                addr: e.peer.addr.wrapping_add(emu::REPLY_OFF as u64),
+                rkey: e.peer.stag,
+                imm: None,
+            },
+            sges: Vec::new(),
+            inline: Some(
+                AmoReply {
+                    seq: req.seq,
+                    result,
+                }
+                .encode(),
+            ),
+            fence: false,
+        };
+        // SAFETY: an inline request: the payload is copied at post time, no memory is
+        // named after the call.
+        #[allow(unsafe_code)]
+        let r = unsafe { self.id.post_send(std::slice::from_ref(&w)) };
+        if let Err((_, err)) = r {
+            tracing::debug!(qp = self.qpn, "reply to an emulated atomic refused: {err}");
+            self.send_cq.release_internal(1);
+            return;
+        }
+        Self::record_internal(&mut l, seq);
+        if let Err(kind) = result {
+            tracing::debug!(
+                qp = self.qpn,
+                ?kind,
+                addr = req.addr,
+                rkey = req.rkey,
+                "emulated atomic refused: endpoint enters the error state"
+            );
+            l.status = EndpointState::Error;
+            l.attributed = true;
+            l.kill_after = Some(seq);
+            self.note_dead(&mut l);
+        }
+    }
+
     pub fn post_recv(self: &Arc<Self>, wr: &RecvWr<'_>) -> Result<()> {
         let (sges, holds, _) = self.sges(wr.sgl, Access::LOCAL_WRITE)?;
         {
@@ -1129,6 +1548,7 @@ impl EpCore {
                 is_send: false,
                 failed: None,
                 group_err: None,
+                emu: None,
                 _holds: Vec::new(),
             },
         );
@@ -1224,18 +1644,41 @@ impl EpCore {
                 return;
             };
             let r = l.rq.remove(pos).expect("position is valid");
-            let opcode = if !failed && w.opcode == ffi::wc_opcode::RECV_RDMA_WITH_IMM {
+            let mut opcode = if !failed && w.opcode == ffi::wc_opcode::RECV_RDMA_WITH_IMM {
                 Opcode::RecvWriteWithImm
             } else {
                 Opcode::Recv
             };
+            let mut byte_len = u64::from(w.byte_len);
+            let mut imm = if failed { None } else { w.imm };
+            // The send that landed here is the connection's `recvs_done`-th: its emulated
+            // immediate, if any, is in that slot of our ring (placed before the send).
+            let ordinal = l.recvs_done;
+            l.recvs_done += 1;
+            if let (false, Some(e)) = (failed, &self.emu) {
+                match ImmRec::read(&e.buf, e.slots, ordinal, self.dom.limits.max_msg_size) {
+                    Some(rec) if rec.kind == emu::IMM_WRITE && w.byte_len == 0 => {
+                        opcode = Opcode::RecvWriteWithImm;
+                        byte_len = rec.len;
+                        imm = Some(rec.imm);
+                    }
+                    Some(rec) if rec.kind == emu::IMM_SEND => imm = Some(rec.imm),
+                    Some(rec) => tracing::warn!(
+                        qp = self.qpn,
+                        ?rec,
+                        bytes = w.byte_len,
+                        "peer's write-with-immediate record does not match its send: ignored"
+                    ),
+                    None => {}
+                }
+            }
             cst.ready.push_back(Completion {
                 context: r.context,
                 opcode,
                 status: err.map_or(Status::Success, |e| Status::Error(e.0)),
                 provider_code: err.and_then(|e| e.1),
-                byte_len: u64::from(w.byte_len),
-                imm: if failed { None } else { w.imm },
+                byte_len,
+                imm,
             });
         } else {
             let Some(pos) = l.sq.iter().position(|r| r.seq == w.wr_id) else {
@@ -1250,48 +1693,70 @@ impl EpCore {
                 // siw flushes its outstanding reads before the send queue.
                 tracing::trace!(qp = self.qpn, pos, "send completion out of order");
             }
-            let r = l.sq.remove(pos).expect("position is valid");
-            l.hw_sq -= 1;
-            if failed {
-                tracing::debug!(
-                    qp = self.qpn,
-                    seq = w.wr_id,
-                    status = status::name_of(w.status),
-                    user = ?r.user.map(|u| (u.context, u.opcode)),
-                    grouped = r.grouped,
-                    "send-queue request failed"
-                );
-            }
-            if r.internal {
-                cq.release_internal(1);
-            }
-            // siw reports every transmit failure as LOC_QP_OP_ERR, including a send or
-            // write cut off because the peer terminated the connection; our own entries
-            // are valid by construction, so there it means what a flush means.
-            let flushlike = w.status == wc::WR_FLUSH_ERR
-                || (self.dom.profile.infer_terminate && w.status == wc::LOC_QP_OP_ERR);
-            if failed && r.user.is_none() && r.grouped && !flushlike {
-                // Hand the real error to the group's last record (completions may come out
-                // of order: siw flushes outstanding reads first).
-                if let Some(last) = l.sq.range_mut(pos..).find(|x| x.user.is_some()) {
-                    last.group_err = last.group_err.or(err);
+            if !failed && matches!(l.sq[pos].emu, Some(EmuRec::Amo(_))) {
+                // An emulated atomic's request left: it now waits for the reply (the
+                // helper thread completes it, see `poll_emu`).
+                if let Some(EmuRec::Amo(a)) = l.sq[pos].emu.as_mut() {
+                    a.sent = true;
                 }
-            }
-            if failed && !flushlike {
-                l.attributed = true;
-            }
-            if let Some(u) = r.user {
-                l.user_sq -= 1;
-                let mut e = r.group_err.or(err);
-                if flushlike && r.group_err.is_none() {
-                    match self.infer_cause(&mut l, u.opcode) {
-                        Some(k) => e = Some((k, Some(ProviderCode::WcStatus(w.status)))),
-                        None => {
-                            e = Some((ErrorKind::Flushed, Some(ProviderCode::WcStatus(w.status))))
-                        }
+                l.hw_sq -= 1;
+            } else {
+                let r = l.sq.remove(pos).expect("position is valid");
+                l.hw_sq -= 1;
+                if let Some(EmuRec::Amo(a)) = &r.emu {
+                    if l.amo_wait == Some(a.seq) {
+                        l.amo_wait = None;
                     }
                 }
-                self.push_user(cq, cst, u, e);
+                if l.kill_after == Some(r.seq) {
+                    // The reply to a refused atomic left: now the connection ends.
+                    l.kill_after = None;
+                    let _ = self.id.disconnect();
+                }
+                if failed {
+                    tracing::debug!(
+                        qp = self.qpn,
+                        seq = w.wr_id,
+                        status = status::name_of(w.status),
+                        user = ?r.user.map(|u| (u.context, u.opcode)),
+                        grouped = r.grouped,
+                        "send-queue request failed"
+                    );
+                }
+                if r.internal {
+                    cq.release_internal(1);
+                }
+                // siw reports every transmit failure as LOC_QP_OP_ERR, including a send or
+                // write cut off because the peer terminated the connection; our own entries
+                // are valid by construction, so there it means what a flush means.
+                let flushlike = w.status == wc::WR_FLUSH_ERR
+                    || (self.dom.profile.infer_terminate && w.status == wc::LOC_QP_OP_ERR);
+                if failed && r.user.is_none() && r.grouped && !flushlike {
+                    // Hand the real error to the group's last record (completions may come out
+                    // of order: siw flushes outstanding reads first).
+                    if let Some(last) = l.sq.range_mut(pos..).find(|x| x.user.is_some()) {
+                        last.group_err = last.group_err.or(err);
+                    }
+                }
+                if failed && !flushlike {
+                    l.attributed = true;
+                }
+                if let Some(u) = r.user {
+                    l.user_sq -= 1;
+                    let mut e = r.group_err.or(err);
+                    if flushlike && r.group_err.is_none() {
+                        match self.infer_cause(&mut l, u.opcode) {
+                            Some(k) => e = Some((k, Some(ProviderCode::WcStatus(w.status)))),
+                            None => {
+                                e = Some((
+                                    ErrorKind::Flushed,
+                                    Some(ProviderCode::WcStatus(w.status)),
+                                ))
+                            }
+                        }
+                    }
+                    self.push_user(cq, cst, u, e);
+                }
             }
         }
         self.note_dead(&mut l);
@@ -1601,6 +2066,15 @@ impl<F: Flavor> Endpoint for VerbsEndpoint<F> {
     }
     fn emulated(&self) -> Vec<String> {
         let p = &self.core.dom.profile;
+        let emulation = |e: &fabric_api::Emulation| {
+            self.core.emu.is_some()
+                || !e
+                    .ops
+                    .intersects(OpSet::ATOMICS | OpSet::SEND_IMM | OpSet::WRITE_IMM)
+        };
+        if p.credits && self.core.foreign {
+            return vec!["none: the peer is not of this framework, so no credit flow control (a send finding no posted receive breaks the connection), no delivery-complete sends and writes, and no dead-peer detection (its probes would be zero-length RDMA Reads, which siw answers with a stale length, breaking the connection)".to_string()];
+        }
         if p.credits && self.core.credit.is_none() {
             let mut v = vec!["none but dead-peer detection: the peer is not of this framework, so no credit flow control (a send finding no posted receive breaks the connection) and no delivery-complete sends and writes".to_string()];
             if let Some(t) = self.core.dom.dead_peer {
@@ -1610,18 +2084,22 @@ impl<F: Flavor> Endpoint for VerbsEndpoint<F> {
         }
         p.emulated
             .iter()
+            .filter(|e| emulation(e))
             .map(|e| format!("{}: {}", e.feature, e.how))
             .collect()
     }
     fn ops(&self) -> OpSet {
-        let ops = self.core.dom.info.caps.ops;
+        let mut ops = self.core.dom.info.caps.ops;
         // Without the peer's credits (it is not of this framework) a send that finds no
         // posted receive is fatal on iWARP.
         if self.core.dom.profile.credits && self.core.credit.is_none() {
-            ops - OpSet::RNR_WAIT
-        } else {
-            ops
+            ops -= OpSet::RNR_WAIT;
         }
+        // Emulated atomics and immediate data need a peer that offered the emulation.
+        if self.core.dom.emulates && self.core.emu.is_none() {
+            ops -= OpSet::ATOMICS | OpSet::SEND_IMM | OpSet::WRITE_IMM;
+        }
+        ops
     }
     fn close(&self) -> Result<()> {
         self.core.close();

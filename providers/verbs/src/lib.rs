@@ -112,6 +112,7 @@ mod cm;
 mod cq;
 pub mod device;
 mod domain;
+mod emu;
 mod ep;
 #[allow(unsafe_code)]
 mod ffi;
@@ -190,6 +191,11 @@ pub struct Profile {
     pub atomics: bool,
     /// Immediate data on sends and writes.
     pub immediate: bool,
+    /// Atomics and immediate data the transport lacks are emulated between peers of this
+    /// framework, over base RDMAP (iWARP): provider-internal messages written into an
+    /// emulation area of the peer, executed by the target's helper thread (see the `emu`
+    /// module). Needs `credits` and an inline limit of at least 56 bytes.
+    pub emulate: bool,
     /// Receiver-not-ready by credits: a send is held by the provider until the peer has
     /// advertised a posted receive (iWARP, where a send without a receive is fatal).
     pub credits: bool,
@@ -301,6 +307,7 @@ impl Profile {
         Profile {
             atomics: dev.has_atomics(),
             immediate: true,
+            emulate: false,
             credits: false,
             delivery_reads: false,
             split_reads: false,
