@@ -1878,3 +1878,123 @@ fn atomic_flood_beyond_ird_is_terminated() {
     c.check(64..72);
     still_serving(&srv, &before);
 }
+
+// ----- large writes placed straight from the socket (no CRC) ------------------------------
+
+/// Payload of one large RDMA Write FPDU: above the provider's direct-placement threshold
+/// (8 KiB), odd so that the FPDU has padding.
+const BIG: usize = 60_001;
+
+#[test]
+fn large_write_arriving_in_pieces_is_placed_and_the_stream_stays_framed() {
+    let srv = server();
+    let before = healthy(&srv);
+    let c = canaries(&srv.domain, 2 * BIG, ALL_ACCESS);
+    let rq = canaries(&srv.domain, 64, Access::LOCAL_WRITE);
+    let (ep, mut raw) = attach(&srv, RawOpts::default());
+    ep.post_recv(&RecvWr::new(9, &[rq.target.slice(0..64).unwrap()]))
+        .unwrap();
+    let data = pattern(0xc3, BIG);
+    let at = 1001; // unaligned: partial words at both ends
+    let w = fpdu(write_hdr(c.key(), c.base() + at as u64, true), &data, false);
+    // Header and a few bytes, then the rest in uneven pieces with pauses, so the provider
+    // sees the FPDU's payload arrive over many reads.
+    let mut cuts = vec![2 + 14 + 3, 4096, 4097, 20_000, 51_000, w.len() - 2, w.len()];
+    cuts.dedup();
+    let mut from = 0;
+    for to in cuts {
+        raw.send_bytes(&w[from..to]);
+        from = to;
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // A send right behind it: matched only if the write's trailer was consumed exactly.
+    raw.send(send_hdr(1, 0, true), b"after the big write");
+    let r = completion(&srv.cq, "the send behind the large write");
+    assert_eq!((r.context, r.status, r.byte_len), (9, Status::Success, 19));
+    assert_eq!(rq.target.buffer().to_vec(0, 19), b"after the big write");
+    assert_eq!(
+        c.target.buffer().to_vec(at, BIG),
+        data,
+        "the large write was not placed as sent"
+    );
+    c.check(at..at + BIG);
+    assert_eq!(ep.state(), EndpointState::Connected);
+    still_serving(&srv, &before);
+}
+
+#[test]
+fn large_write_out_of_range_is_refused_before_any_byte_lands() {
+    let srv = server();
+    let before = healthy(&srv);
+    let c = canaries(&srv.domain, BIG, ALL_ACCESS);
+    let (ep, mut raw) = attach(&srv, RawOpts::default());
+    // Straddles the end by one byte. Only the header and 1000 payload bytes are sent: the
+    // refusal must come from the header, before the FPDU is whole, with nothing placed.
+    let w = fpdu(
+        write_hdr(c.key(), c.base() + 1, true),
+        &pattern(0x3c, BIG),
+        false,
+    );
+    raw.send_bytes(&w[..2 + 14 + 1000]);
+    raw.expect_terminate(&protection(0x01), "large write past the region");
+    wait_state(&ep, EndpointState::Error, "large write past the region");
+    c.check(0..0);
+    still_serving(&srv, &before);
+}
+
+#[test]
+fn stream_cut_inside_a_large_write_is_an_error() {
+    let srv = server();
+    let before = healthy(&srv);
+    let c = canaries(&srv.domain, BIG, ALL_ACCESS);
+    let (ep, mut raw) = attach(&srv, RawOpts::default());
+    let w = fpdu(
+        write_hdr(c.key(), c.base(), true),
+        &pattern(0x5e, BIG),
+        false,
+    );
+    raw.send_bytes(&w[..2 + 14 + 30_000]);
+    raw.s.shutdown(std::net::Shutdown::Write).unwrap();
+    raw.expect_terminate(&[llp(0x01), llp(0x03)], "stream cut inside a large write");
+    wait_state(&ep, EndpointState::Error, "stream cut inside a large write");
+    c.check(0..BIG);
+    still_serving(&srv, &before);
+}
+
+#[test]
+fn deregistration_stops_a_large_write_being_placed() {
+    let srv = server();
+    let before = healthy(&srv);
+    let buf = Arc::new(Buffer::from_slice(&pattern(0x5a, BIG)));
+    let mr = srv.domain.register(buf.clone(), ALL_ACCESS).unwrap();
+    let (key, base) = (mr.desc().key, mr.desc().addr);
+    let (ep, mut raw) = attach(&srv, RawOpts::default());
+    let data = pattern(0x99, BIG);
+    let w = fpdu(write_hdr(key, base, true), &data, false);
+    let first = 2 + 14 + 20_000;
+    raw.send_bytes(&w[..first]);
+    // Wait until the first part is placed (the provider is inside the FPDU), then
+    // deregister: nothing of the rest may land.
+    let deadline = Instant::now() + DEADLINE;
+    while buf.to_vec(0, 20_000) != data[..20_000] {
+        assert!(
+            Instant::now() < deadline,
+            "the first 20000 bytes were never placed"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    drop(mr);
+    raw.send_bytes(&w[first..]);
+    raw.expect_terminate(&protection(0x00), "write continuing after deregistration");
+    wait_state(
+        &ep,
+        EndpointState::Error,
+        "write continuing after deregistration",
+    );
+    assert_eq!(
+        buf.to_vec(20_000, BIG - 20_000),
+        pattern(0x5a, BIG)[20_000..],
+        "bytes arriving after the deregistration were placed"
+    );
+    still_serving(&srv, &before);
+}

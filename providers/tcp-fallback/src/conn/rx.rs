@@ -10,8 +10,17 @@
 //! the output draining, resumes it. Every placement into application memory happens under
 //! the endpoint lock while the operation it belongs to is still outstanding, by
 //! word-atomic copies ([`fabric_api::Buffer::write`]).
+//!
+//! **Direct placement.** Without MPA CRCs, the payload of a large tagged RDMA Write
+//! (from [`DIRECT_MIN`] bytes) goes from the socket straight into the target memory
+//! ([`fabric_api::Buffer::recv_into`], the kernel writing it as a NIC's DMA would), with no
+//! staging copy: the header is validated and the STag checked for the whole range before
+//! the first byte, and again before every `recv`, so a deregistration stops placement as it
+//! does between FPDUs. With CRCs on, every FPDU is staged whole and checked before
+//! anything of it is placed.
 
 use std::io::{self, Read};
+use std::os::fd::AsFd;
 use std::sync::atomic::Ordering as AtomicOrdering;
 
 use fabric_api::{Access, EndpointState, ErrorKind, Opcode, ProviderCode};
@@ -30,6 +39,22 @@ use crate::wire::WireError;
 
 /// Prefetch buffer: room for several whole FPDUs of the largest size.
 const RX_BUF: usize = 256 << 10;
+
+/// Smallest RDMA Write payload (one FPDU's) placed directly from the socket.
+const DIRECT_MIN: usize = 8 << 10;
+
+/// An RDMA Write FPDU whose payload is arriving straight into the target memory.
+#[derive(Debug)]
+struct Direct {
+    stag: u32,
+    /// Target address of the next byte.
+    to: u64,
+    /// Payload bytes still to come.
+    left: usize,
+    /// The FPDU's whole payload.
+    len: usize,
+    last: bool,
+}
 
 /// Why the receive side stopped for good.
 #[derive(Debug)]
@@ -107,6 +132,11 @@ pub(super) struct Rx {
     p: Parse,
     /// The connection is over: nothing more is read.
     done: bool,
+    /// A write being placed directly.
+    direct: Option<Direct>,
+    /// Bytes still to drop from the stream: the trailer (pad, CRC field) of a write
+    /// placed directly.
+    skip: usize,
 }
 
 impl Rx {
@@ -125,6 +155,8 @@ impl Rx {
                 rtr_seen: false,
             },
             done: false,
+            direct: None,
+            skip: 0,
         }
     }
 }
@@ -188,6 +220,15 @@ impl Conn {
     fn rx_run(&self, rx: &mut Rx) -> Result<(), RxEnd> {
         self.rx_blocked.store(false, AtomicOrdering::SeqCst);
         loop {
+            if rx.direct.is_some() {
+                if self.rx_direct(rx)? {
+                    continue;
+                }
+                return Ok(());
+            }
+            let drop = rx.skip.min(rx.end - rx.start);
+            rx.start += drop;
+            rx.skip -= drop;
             while let Some((total, ulpdu, hdr_len)) = complete_fpdu(&rx.buf[rx.start..rx.end])? {
                 // Output owed to the peer (acks, responses) must leave before we read more.
                 if self.tx.lock().expect("tx poisoned").queue.len() >= TX_QUEUE_LIMIT {
@@ -212,6 +253,9 @@ impl Conn {
                     }
                 }
             }
+            if rx.skip == 0 && !rx.p.crc && self.start_direct(rx)? {
+                continue;
+            }
             if rx.start == rx.end {
                 rx.start = 0;
                 rx.end = 0;
@@ -235,6 +279,121 @@ impl Conn {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(RxEnd::Io(e)),
+            }
+        }
+    }
+
+    /// Starts placing the incomplete FPDU at the front of the buffer directly, if it is a
+    /// large RDMA Write whose header has arrived (see the module docs): its STag is
+    /// checked for the whole payload, what arrived of the payload is placed, and the rest
+    /// will be received into the target. Returns whether it started.
+    fn start_direct(&self, rx: &mut Rx) -> Result<bool, RxEnd> {
+        let b = &rx.buf[rx.start..rx.end];
+        if b.len() < 4 || b[2] & 0x80 == 0 {
+            return Ok(false);
+        }
+        let ulpdu = usize::from(u16::from_be_bytes([b[0], b[1]]));
+        let hdr_len = Header::len_for_ctrl(u16::from_be_bytes([b[2], b[3]]));
+        // complete_fpdu refused a ULPDU shorter than its header.
+        let payload = ulpdu - hdr_len;
+        if payload < DIRECT_MIN || b.len() < 2 + hdr_len {
+            return Ok(false);
+        }
+        let have = b.len() - 2 - hdr_len;
+        if have >= payload {
+            return Ok(false); // only the trailer is missing
+        }
+        if self.tx.lock().expect("tx poisoned").queue.len() >= TX_QUEUE_LIMIT {
+            return Ok(false); // output owed first: the staged path waits for it
+        }
+        let hdr = Header::decode(&b[2..2 + hdr_len]).map_err(|e| wire_violation_in(e, true))?;
+        let Header::Tagged {
+            opcode: opcode::WRITE,
+            stag,
+            to,
+            last,
+        } = hdr
+        else {
+            return Ok(false);
+        };
+        let t = self
+            .keys
+            .lookup(stag, to, payload as u64, Access::REMOTE_WRITE)
+            .map_err(|t| {
+                violation(
+                    t,
+                    format!("RDMA Write of {payload} bytes to STag {stag:#x} at {to:#x} refused"),
+                )
+            })?;
+        t.buffer.write(t.offset, &b[2 + hdr_len..]);
+        rx.direct = Some(Direct {
+            stag,
+            to: to + have as u64,
+            left: payload - have,
+            len: payload,
+            last,
+        });
+        rx.skip = mpa::trailer_len(ulpdu);
+        rx.start = 0;
+        rx.end = 0;
+        Ok(true)
+    }
+
+    /// Receives more of a directly placed write; `false` when the socket has nothing.
+    fn rx_direct(&self, rx: &mut Rx) -> Result<bool, RxEnd> {
+        let d = rx.direct.as_mut().expect("a direct write");
+        // Checked again before every receive: a deregistration stops placement here.
+        let t = self
+            .keys
+            .lookup(d.stag, d.to, d.left as u64, Access::REMOTE_WRITE)
+            .map_err(|t| {
+                violation(
+                    t,
+                    format!(
+                        "RDMA Write of {} bytes to STag {:#x} refused after {} bytes: the region went away",
+                        d.len,
+                        d.stag,
+                        d.len - d.left
+                    ),
+                )
+            })?;
+        match t
+            .buffer
+            .recv_into(self.sock.as_fd(), t.offset, d.left, libc::MSG_DONTWAIT)
+        {
+            Ok(0) => Err(violation(
+                term::STREAM_LOST,
+                format!(
+                    "the stream ended inside an FPDU ({} of its {} payload bytes arrived)",
+                    d.len - d.left,
+                    d.len
+                ),
+            )),
+            Ok(n) => {
+                d.to += n as u64;
+                d.left -= n;
+                if d.left == 0 {
+                    let (len, last) = (d.len, d.last);
+                    rx.direct = None;
+                    self.written(&mut rx.p, len, last);
+                }
+                Ok(true)
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(true),
+            Err(e) => Err(RxEnd::Io(e)),
+        }
+    }
+
+    /// Accounting after an RDMA Write FPDU of `len` bytes was placed: the write's length,
+    /// and its delivery ack after the last FPDU.
+    fn written(&self, r: &mut Parse, len: usize, last: bool) {
+        r.write_len += len as u64;
+        if last {
+            r.last_write_len = std::mem::take(&mut r.write_len);
+            if self.neg.has(features::ACKS) {
+                let mut st = self.lock();
+                self.send_ack(&mut st, 1);
             }
         }
     }
@@ -316,14 +475,7 @@ impl Conn {
                         }
                     }
                 }
-                r.write_len += len as u64;
-                if last {
-                    r.last_write_len = std::mem::take(&mut r.write_len);
-                    if self.neg.has(features::ACKS) {
-                        let mut st = self.lock();
-                        self.send_ack(&mut st, 1);
-                    }
-                }
+                self.written(r, len, last);
                 Ok(Flow::Done)
             }
             Header::Tagged {
