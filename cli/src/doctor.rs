@@ -238,6 +238,9 @@ struct System {
     ecn: BTreeMap<String, Option<Vec<u8>>>,
     /// `[roce] traffic_class` from the configuration.
     traffic_class: Option<u8>,
+    /// The kernel's default ToS for rdma_cm connections per RoCE device and port
+    /// (configfs `rdma_cm/<dev>/ports/<port>/default_roce_tos`, when someone set one up).
+    default_tos: BTreeMap<(String, u8), u8>,
     /// The address RDMA traffic will use, if given.
     address: Option<IpAddr>,
     registration: u64,
@@ -437,6 +440,7 @@ fn gather(args: &DoctorArgs) -> Result<System, String> {
         pfc: BTreeMap::new(),
         ecn: BTreeMap::new(),
         traffic_class: None,
+        default_tos: BTreeMap::new(),
         address: args.address,
         registration: args.registration,
         providers: selector.discover(),
@@ -463,6 +467,17 @@ fn gather(args: &DoctorArgs) -> Result<System, String> {
                 read(format!("/sys/class/net/{nd}/mtu")).and_then(|t| t.trim().parse().ok())
             {
                 sys.netdev_mtu.insert(nd.clone(), m);
+            }
+        }
+    }
+    for d in sys.devices.iter().flatten().filter(|d| !d.iwarp) {
+        for p in &d.ports {
+            let f = format!(
+                "/sys/kernel/config/rdma_cm/{}/ports/{}/default_roce_tos",
+                d.name, p.num
+            );
+            if let Some(t) = read(&f).and_then(|t| t.trim().parse().ok()) {
+                sys.default_tos.insert((d.name.clone(), p.num), t);
             }
         }
     }
@@ -781,8 +796,21 @@ fn check_roce_port(s: &System, d: &Dev, p: &Port) -> Vec<Check> {
     // Traffic class, PFC and ECN: the lossless-RoCE checklist.
     let tname = format!("lossless {} port {}", d.name, p.num);
     let tc = match s.traffic_class {
-        Some(t) => format!("[roce] traffic_class = {t} (DSCP {}, ECN bits {})", t >> 2, t & 3),
-        None => "no [roce] traffic_class: DSCP 0 (best effort) unless the kernel's default_roce_tos says otherwise".to_string(),
+        Some(t) => format!(
+            "[roce] traffic_class = {t} (DSCP {}, ECN bits {})",
+            t >> 2,
+            t & 3
+        ),
+        None => match s.default_tos.get(&(d.name.clone(), p.num)) {
+            Some(t) => format!(
+                "no [roce] traffic_class: the kernel's default_roce_tos {t} (DSCP {}) applies",
+                t >> 2
+            ),
+            None => {
+                "no [roce] traffic_class and no default_roce_tos in configfs: DSCP 0 (best effort)"
+                    .to_string()
+            }
+        },
     };
     let pfc = match s.pfc.get(&nd) {
         Some(Some(v)) if !v.is_empty() => format!("PFC on for priorities {v:?}"),
@@ -1019,6 +1047,7 @@ mod tests {
             pfc: BTreeMap::new(),
             ecn: BTreeMap::new(),
             traffic_class: None,
+            default_tos: BTreeMap::new(),
             address: None,
             registration: 256 << 20,
             providers: vec![
@@ -1273,6 +1302,29 @@ mod tests {
         let l = find(&c, "lossless rxe0 port 1");
         assert_eq!(l.status, Status::Warn);
         assert!(l.detail.contains("go-back-N"), "{}", l.detail);
+        assert!(l.detail.contains("DSCP 0 (best effort)"), "{}", l.detail);
+        let mut s = guest();
+        s.default_tos.insert(("rxe0".into(), 1), 106);
+        let l = run_checks(&s)
+            .into_iter()
+            .find(|c| c.name == "lossless rxe0 port 1")
+            .unwrap();
+        assert!(
+            l.detail.contains("default_roce_tos 106 (DSCP 26)"),
+            "{}",
+            l.detail
+        );
+        s.traffic_class = Some(104);
+        let l = run_checks(&s)
+            .into_iter()
+            .find(|c| c.name == "lossless rxe0 port 1")
+            .unwrap();
+        assert!(
+            l.detail
+                .contains("traffic_class = 104 (DSCP 26, ECN bits 0)"),
+            "{}",
+            l.detail
+        );
         assert!(
             c.iter().all(|c| c.name != "roce v2 gid siw0 port 1"),
             "iWARP has no RoCE GIDs"

@@ -24,6 +24,13 @@
 //! [`AnyListener`]) and implements them once, generically, for every provider type. The
 //! only per-provider code is one line in [`dispatch`] naming its types.
 //!
+//! # Features
+//! `verbs` (on by default) builds the roce, iwarp and ib providers on the verbs core, which
+//! loads rdma-core (libibverbs, librdmacm) at run time: a binary with them starts on a
+//! machine without rdma-core and reports them unavailable with the reason. Building them
+//! needs rdma-core's headers; without the feature only tcp is built, with no rdma-core at
+//! build or run time, and roce, iwarp and ib report that they are not built in.
+//!
 //! # Hooks
 //! `FABRIC_HOOKS=trace,fault`, `hooks = [...]` with a `[fault]` table in the config file, or
 //! [`Selector::hooks`] wrap the selected provider in [`hook`]'s tracing and fault-injecting

@@ -1,5 +1,6 @@
-//! The only module of the workspace that calls rdma-core: thin owning wrappers over
-//! libibverbs and librdmacm objects. Every other module is safe code over these types.
+//! The module of the workspace that uses rdma-core: thin owning wrappers over libibverbs
+//! and librdmacm objects, calling the functions `sys` loads at run time. Every other module
+//! is safe code over these types.
 //!
 //! Ownership rules, enforced by the types:
 //! * a [`Pd`] outlives every [`Mr`] and queue pair created on it (they hold an `Arc<Pd>`);

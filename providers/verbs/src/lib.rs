@@ -1,8 +1,9 @@
 //! The shared verbs core of the `ib`, `roce` and `iwarp` providers.
 //!
-//! Everything that talks to rdma-core (libibverbs and librdmacm, through `rdma-sys`) lives
-//! here, in one audited module ([`ffi`](crate) is private; every `unsafe` block carries a
-//! `// SAFETY:` line). The three providers are thin layers: each names its devices (a
+//! Everything that talks to rdma-core (libibverbs and librdmacm) lives here, in two audited
+//! private modules: `ffi`, owning wrappers over rdma-core's objects, and `sys`, which loads
+//! the libraries at run time (`dlopen`; [`rdma_core`] says from where, or why not) and
+//! keeps `rdma-sys`'s C types. Every `unsafe` block carries a `// SAFETY:` line. The three providers are thin layers: each names its devices (a
 //! [`Flavor`]: transport and link layer), picks its port and address (RoCE: a RoCE v2 GID
 //! matching the address in use; InfiniBand: LID addressing), and declares a [`Profile`]:
 //! which operations the transport has and which contract rules the core must emulate.
