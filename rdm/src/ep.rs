@@ -1541,7 +1541,19 @@ impl Inner {
                 c.to_return -= give;
                 c.credits -= 1;
                 c.sq_inflight += 1;
-                self.inflight.insert(id, Inflight::Wire { conn, slot, op });
+                self.inflight.insert(
+                    id,
+                    Inflight::Wire {
+                        conn,
+                        slot,
+                        op: None,
+                    },
+                );
+                // The payload is copied: the buffer may be reused. What the operation still
+                // awaits (an acknowledgement, a FIN) fails with the connection.
+                if let Some(op) = op {
+                    self.step(op);
+                }
                 Ok(())
             }
             Err(e) => {

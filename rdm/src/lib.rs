@@ -39,6 +39,11 @@
 //! with RDMA Read and answers `FIN`, which completes the send. Memory the peer cannot
 //! read (no `REMOTE_READ`, another domain) is staged in a registered copy first.
 //!
+//! A send completes once its payload is copied into a bounce buffer (eager; its buffer
+//! may be reused), once a receive matched it (synchronous sends), or once the receiver
+//! read it (rendezvous, `FIN`). An eager send that completed and was then lost with its
+//! connection is not reported again (as with libfabric's inject completion).
+//!
 //! # Flow control
 //! Each connection posts [`RdmConfig::recv_depth`] receive buffers, and a sender holds one
 //! credit per buffer; every header returns the credits its sender reposted since its last
