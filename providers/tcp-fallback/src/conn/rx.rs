@@ -137,6 +137,10 @@ pub(super) struct Rx {
     /// Bytes still to drop from the stream: the trailer (pad, CRC field) of a write
     /// placed directly.
     skip: usize,
+    /// The last FPDU was placed directly: while large writes stream in, the next read
+    /// takes only the next FPDU's header, so that its payload goes direct too instead of
+    /// into the prefetch buffer.
+    streaming: bool,
 }
 
 impl Rx {
@@ -157,6 +161,7 @@ impl Rx {
             done: false,
             direct: None,
             skip: 0,
+            streaming: false,
         }
     }
 }
@@ -245,6 +250,14 @@ impl Conn {
                 let tagged = f[2] & 0x80 != 0;
                 let hdr =
                     Header::decode(&f[2..2 + hdr_len]).map_err(|e| wire_violation_in(e, tagged))?;
+                // A write's short last FPDU does not end the stream of writes.
+                rx.streaming &= matches!(
+                    hdr,
+                    Header::Tagged {
+                        opcode: opcode::WRITE,
+                        ..
+                    }
+                );
                 match self.handle(&mut rx.p, hdr, &f[2 + hdr_len..2 + ulpdu])? {
                     Flow::Done => rx.start += total,
                     Flow::Blocked => {
@@ -264,7 +277,25 @@ impl Conn {
                 rx.end -= rx.start;
                 rx.start = 0;
             }
-            match (&self.sock).read(&mut rx.buf[rx.end..]) {
+            // Room is never zero here: the buffer holds at most one incomplete FPDU
+            // (FPDUs are far smaller than the buffer) once the complete ones are handled.
+            debug_assert!(rx.end < rx.buf.len());
+            let room = if rx.streaming {
+                // Only the rest of the front FPDU (or of its header, and the trailer still
+                // to drop): the next large write's payload must stay in the socket.
+                let have = rx.end - rx.start;
+                let want = if have >= 4 {
+                    let ulpdu =
+                        usize::from(u16::from_be_bytes([rx.buf[rx.start], rx.buf[rx.start + 1]]));
+                    2 + ulpdu + mpa::trailer_len(ulpdu)
+                } else {
+                    2 + ddp::TAGGED_LEN
+                };
+                (rx.skip + want.saturating_sub(have)).min(rx.buf.len() - rx.end)
+            } else {
+                rx.buf.len() - rx.end
+            };
+            match (&self.sock).read(&mut rx.buf[rx.end..rx.end + room]) {
                 Ok(0) if rx.start < rx.end => {
                     return Err(violation(
                         term::STREAM_LOST,
@@ -375,6 +406,7 @@ impl Conn {
                 if d.left == 0 {
                     let (len, last) = (d.len, d.last);
                     rx.direct = None;
+                    rx.streaming = true;
                     self.written(&mut rx.p, len, last);
                 }
                 Ok(true)
