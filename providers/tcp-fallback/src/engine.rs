@@ -12,15 +12,15 @@
 //!   it, so a waiting application is woken by the socket directly, with no hand-off.
 //!
 //! **Hand-off.** While the application drives a connection itself (it polled one of the
-//! connection's completion queues within [`HANDOFF`], or sleeps in `wait` on one), the
+//! connection's completion queues within `HANDOFF` (1 ms), or sleeps in `wait` on one), the
 //! progress thread leaves that connection alone and stops waking up for it: it sleeps on a
-//! [`HANDOFF`] timer instead of in `epoll_wait`, and readiness that arrives meanwhile waits
+//! `HANDOFF` timer instead of in `epoll_wait`, and readiness that arrives meanwhile waits
 //! in the epoll ready list. Otherwise every message would wake two threads, and on a
 //! machine with fewer cores than busy threads the progress thread would preempt the
 //! polling application, or hold the connection's progress while preempted (measured with
 //! `fabric perf pingpong`: see BENCHMARKS.md). A connection the progress thread skipped
 //! stays on its list until it is progressed, so when the application stops polling the
-//! thread takes over within [`HANDOFF`]: no readiness is lost.
+//! thread takes over within `HANDOFF`: no readiness is lost.
 //!
 //! Whoever sees a connection ready calls the connection's `progress`,
 //! which is serialised per connection with a try-lock and a "more to do" flag: a second
