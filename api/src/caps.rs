@@ -1,4 +1,4 @@
-//! What a provider can do, declared up front (semantics.md section 1).
+//! What a provider can do, declared up front (docs/contract.md section 1).
 
 use std::collections::BTreeMap;
 

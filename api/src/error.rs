@@ -1,4 +1,4 @@
-//! The one error vocabulary shared by every provider (semantics.md section 6).
+//! The one error vocabulary shared by every provider (docs/contract.md section 6).
 
 use std::fmt;
 

@@ -5,7 +5,7 @@
 //! [`MemoryRegion`](crate::MemoryRegion) and every operation in flight on it, so the memory
 //! cannot be freed or moved while an operation uses it: the last owner frees it.
 //!
-//! # Access model (semantics.md section 2)
+//! # Access model (docs/contract.md section 2)
 //! Registered memory is memory that something outside the program's borrow structure may
 //! write at any moment: a NIC by DMA, the kernel copying a socket's bytes, or a software
 //! provider's thread placing a remote peer's write. Rust's rules forbid a reference to such

@@ -28,7 +28,7 @@ bitflags::bitflags! {
     }
 }
 
-/// The 64-bit atomic operations of the contract (semantics.md section 5).
+/// The 64-bit atomic operations of the contract (docs/contract.md section 5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AtomicOp {
     /// Adds `add` (wrapping) and returns the old value.

@@ -1,4 +1,4 @@
-//! What the memory API must refuse at compile time (semantics.md section 2): no safe code
+//! What the memory API must refuse at compile time (docs/contract.md section 2): no safe code
 //! gets a reference to registered memory that a peer, a NIC or a provider thread could
 //! touch while the reference lives. Each file in `tests/ui` is a program that must not
 //! compile, with the compiler's error kept beside it.

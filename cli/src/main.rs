@@ -52,7 +52,7 @@ enum Cmd {
     Allgather(allreduce::CollArgs),
     /// Broadcast across ranks, in nccl-tests' columns.
     Broadcast(allreduce::CollArgs),
-    /// Run the conformance suite (semantics.md as tests) against providers.
+    /// Run the conformance suite (docs/contract.md as tests) against providers.
     Conformance {
         /// Providers to test, comma separated.
         #[arg(long, default_value = "tcp")]

@@ -22,7 +22,7 @@ pub type CaseResultOf = Result<(), String>;
 pub struct Case {
     /// Stable name (`section.what`).
     pub name: &'static str,
-    /// Section of semantics.md.
+    /// Section of the contract (docs/contract.md).
     pub section: &'static str,
     /// Operations the case needs; when the provider's capabilities lack them the case
     /// checks that posting returns Unsupported and reports `unsupported`.

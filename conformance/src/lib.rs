@@ -1,4 +1,4 @@
-//! The conformance suite: semantics.md sections 2 to 8 as test cases, written once and
+//! The conformance suite: docs/contract.md sections 2 to 9 as test cases, written once and
 //! instantiated per provider.
 //!
 //! Every case runs against a provider chosen by name through the same run-time selection

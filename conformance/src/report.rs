@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 pub struct CaseResult {
     /// Case name.
     pub name: String,
-    /// Section of semantics.md.
+    /// Section of the contract (docs/contract.md).
     pub section: String,
     /// Provider.
     pub provider: String,

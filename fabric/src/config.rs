@@ -1,4 +1,4 @@
-//! Discovery and selection (semantics.md section 1): which providers exist, which are
+//! Discovery and selection (docs/contract.md section 1): which providers exist, which are
 //! usable, and which one a configuration picks.
 //!
 //! Selection sources, later ones overriding earlier ones: the builder's defaults, a TOML

@@ -1,5 +1,5 @@
 //! Reliable datagram (RDM) endpoints and tagged messages over any fabric provider: what
-//! MPI-like middleware builds on (semantics.md section 9).
+//! MPI-like middleware builds on (docs/contract.md section 9).
 //!
 //! An [`RdmEndpoint`] reaches many peers through one endpoint and one completion queue.
 //! Peers go into its address vector ([`RdmEndpoint::av_insert`] from an address,

@@ -226,7 +226,7 @@ fn cas_failure(ctx: &Ctx) -> CaseResultOf {
     fences_intact(&target, 8, "failed compare_swap")
 }
 
-/// semantics.md asks for an error completion; real RC hardware refuses the request at
+/// Not an error completion (docs/contract.md section 5): real RC hardware refuses the request at
 /// post instead (rxe: `validate_send_wr` returns -EINVAL for a misaligned atomic address),
 /// so every provider does that: InvalidArgument, the target untouched, the endpoint fine.
 fn misaligned(ctx: &Ctx) -> CaseResultOf {

@@ -19,7 +19,7 @@
 //!   writer`) keeps RDMA Writes in flight into a region while this side deregisters it
 //!   ([`MemoryRegion::into_buffer`], retrying `Arc::try_unwrap` until placements in flight
 //!   are done): the writer fails `RemoteAccess` within [`REMOTE_ACCESS_BOUND`], this end goes
-//!   to the error state too (semantics.md section 6), the memory stops changing once it is
+//!   to the error state too (docs/contract.md section 6), the memory stops changing once it is
 //!   back, and neither canary regions of the same domain (one registered before, one after
 //!   the deregistration, which would receive writes through a recycled key) nor an
 //!   unregistered buffer ever change.
@@ -404,7 +404,7 @@ fn close_in_flight(ctx: &Ctx) -> CaseResultOf {
     ensure!(
         peer_state == EndpointState::Disconnected,
         "{observed}; but the peer read the close as {peer_state:?} (still {peer_state:?} {} \
-         after the close), not Disconnected: semantics.md section 7, the peer of a closed \
+         after the close), not Disconnected: docs/contract.md section 7, the peer of a closed \
          endpoint sees a disconnect event",
         ms(DISCONNECT_BOUND)
     );
@@ -832,7 +832,7 @@ fn silent_peer_host(ctx: &Ctx) -> CaseResultOf {
         ms(bound),
         ms(slack(bound))
     );
-    // Out of Connected, as conn.peer_killed_mid_transfer asks; which of Error (semantics.md
+    // Out of Connected, as conn.peer_killed_mid_transfer asks; which of Error (docs/contract.md
     // section 6: after an error completion) and Disconnected is reported, not judged.
     let state = p.a.state();
     ensure!(

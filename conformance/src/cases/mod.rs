@@ -1,4 +1,4 @@
-//! The cases, one module per section of semantics.md.
+//! The cases, one module per section of the contract (docs/contract.md).
 
 use crate::harness::Case;
 

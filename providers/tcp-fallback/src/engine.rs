@@ -6,7 +6,7 @@
 //! * the **domain's**, where one progress thread per domain (progress mode `auto`, the
 //!   default) sleeps in `epoll_wait` and never spins. It keeps one-sided operations and
 //!   emulated atomics completing while the target application never polls
-//!   (semantics.md section 4);
+//!   (docs/contract.md section 4);
 //! * the **completion queue's**, which the application drives itself: `poll` runs a
 //!   zero-timeout `epoll_wait` and makes progress on whatever is ready, and `wait` sleeps in
 //!   it, so a waiting application is woken by the socket directly, with no hand-off.

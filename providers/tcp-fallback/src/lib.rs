@@ -72,7 +72,7 @@ pub struct TcpOptions {
     /// Largest payload per FPDU (bounded by MPA's 16-bit length).
     pub max_segment: usize,
     /// How long a silent peer host may stay silent before its endpoints fail with
-    /// `RetryExceeded` (semantics.md section 7): TCP keepalive probes an idle connection
+    /// `RetryExceeded` (docs/contract.md section 7): TCP keepalive probes an idle connection
     /// (idle for a third of this, then 5 probes spread over the rest) and
     /// `TCP_USER_TIMEOUT` bounds unacknowledged output by the same figure.
     pub dead_peer_timeout: Duration,

@@ -3,7 +3,7 @@
 //! client that connects and never speaks stalls nobody. [`accept`](crate::TcpListener)
 //! then only answers a request that is complete.
 //!
-//! Bounds (semantics.md section 8): at most [`MAX_HALF_OPEN`] connections may be in the
+//! Bounds (docs/contract.md section 8): at most [`MAX_HALF_OPEN`] connections may be in the
 //! middle of their handshake (beyond it new connections are closed at once), each gets
 //! [`REQUEST_TIMEOUT`] to send its whole request (then it is closed), a request is at most
 //! an MPA header plus 512 bytes, and at most [`READY_BACKLOG`] complete requests wait for

@@ -1,7 +1,7 @@
 //! A hostile peer against the tcp provider, in raw bytes (issue 9, item 5).
 //!
 //! Every test attacks one connection of a listening domain and then proves three things
-//! (semantics.md sections 2, 6 and 8):
+//! (docs/contract.md sections 2, 6 and 8):
 //! * canaries: registered regions around the target (and the target's own bytes outside the
 //!   addressed range) keep their known patterns: nothing outside the target changed;
 //! * the attacked connection ends with an error naming the fault: a Terminate read back

@@ -1,4 +1,4 @@
-//! `ibv_wc_status` to the shared error vocabulary (semantics.md section 6), in one place.
+//! `ibv_wc_status` to the shared error vocabulary (docs/contract.md section 6), in one place.
 //! The raw status always travels beside the neutral kind as [`ProviderCode::WcStatus`].
 
 use fabric_api::{ErrorKind, ProviderCode};

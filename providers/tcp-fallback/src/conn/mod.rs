@@ -42,7 +42,7 @@ use rx::{violation, Rx, RxEnd};
 /// Bytes of unmatched incoming messages buffered per endpoint before the receive machine
 /// stops reading (TCP back-pressure then holds the sender: nothing is lost). A message
 /// larger than what is left waits, part-buffered, for a receive and is then placed into it
-/// directly, so one endpoint never buffers more than this (semantics.md section 8).
+/// directly, so one endpoint never buffers more than this (docs/contract.md section 8).
 pub(crate) const UNEXPECTED_LIMIT: usize = 8 << 20;
 
 /// What one buffered unexpected message costs against [`UNEXPECTED_LIMIT`] beyond its

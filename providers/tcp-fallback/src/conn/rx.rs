@@ -475,7 +475,7 @@ impl Conn {
                 };
                 tracing::debug!(peer = %self.peer, "connection ended: {end:?}");
                 // A dead peer (RetryExceeded) is an error completion: the endpoint is in
-                // the error state (semantics.md section 6); an ended stream is a disconnect.
+                // the error state (docs/contract.md section 6); an ended stream is a disconnect.
                 let status = if head.is_some() {
                     EndpointState::Error
                 } else {
