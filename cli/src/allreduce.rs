@@ -98,6 +98,9 @@ pub struct CollArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = OutFormat::Text)]
     format: OutFormat,
+    /// Microseconds a rank polls before it sleeps while waiting (RdmConfig::busy_poll).
+    #[arg(long, default_value_t = 100)]
+    busy_poll_us: u64,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -269,6 +272,7 @@ fn rank_main(
         domain.clone(),
         RdmConfig {
             bind: SocketAddr::new(a.bind, 0),
+            busy_poll: Duration::from_micros(a.busy_poll_us),
             ..RdmConfig::default()
         },
     )

@@ -133,6 +133,8 @@ pub trait Element: Copy + Send + 'static {
     fn put(self, out: &mut Vec<u8>);
     /// Reads it from little-endian bytes (exactly `DTYPE.size()` of them).
     fn get(b: &[u8]) -> Self;
+    /// Writes its little-endian bytes into `b` (exactly `DTYPE.size()` of them).
+    fn store(self, b: &mut [u8]);
 }
 
 macro_rules! element {
@@ -142,8 +144,13 @@ macro_rules! element {
             fn put(self, out: &mut Vec<u8>) {
                 out.extend_from_slice(&self.to_le_bytes());
             }
+            #[inline(always)]
             fn get(b: &[u8]) -> Self {
                 <$t>::from_le_bytes(b.try_into().expect("element size"))
+            }
+            #[inline(always)]
+            fn store(self, b: &mut [u8]) {
+                b.copy_from_slice(&self.to_le_bytes());
             }
         }
     };
@@ -172,27 +179,26 @@ pub fn from_bytes<T: Element>(b: &[u8], out: &mut [T]) {
     }
 }
 
+/// `acc[i] = f(acc[i], other[i])` (or `f(other[i], acc[i])`) over little-endian `T`s; a
+/// generic closure so the loop is inlined and vectorizes.
+#[inline(always)]
+fn zip_with<T: Element, F: Fn(T, T) -> T>(acc: &mut [u8], other: &[u8], other_first: bool, f: F) {
+    let n = T::DTYPE.size();
+    for (a, b) in acc.chunks_exact_mut(n).zip(other.chunks_exact(n)) {
+        let (x, y) = (T::get(a), T::get(b));
+        let r = if other_first { f(y, x) } else { f(x, y) };
+        r.store(a);
+    }
+}
+
 macro_rules! reduce_as {
-    ($t:ty, $acc:expr, $other:expr, $op:expr, $other_first:expr, int) => {
-        reduce_as!(@go $t, $acc, $other, $op, $other_first, |a: $t, b: $t| a.wrapping_add(b), |a: $t, b: $t| a.min(b), |a: $t, b: $t| a.max(b))
-    };
-    ($t:ty, $acc:expr, $other:expr, $op:expr, $other_first:expr, float) => {
-        reduce_as!(@go $t, $acc, $other, $op, $other_first, |a: $t, b: $t| a + b, |a: $t, b: $t| a.min(b), |a: $t, b: $t| a.max(b))
-    };
-    (@go $t:ty, $acc:expr, $other:expr, $op:expr, $other_first:expr, $sum:expr, $min:expr, $max:expr) => {{
-        const N: usize = std::mem::size_of::<$t>();
-        let f: fn($t, $t) -> $t = match $op {
-            ReduceOp::Sum => $sum,
-            ReduceOp::Min => $min,
-            ReduceOp::Max => $max,
-        };
-        for (a, b) in $acc.chunks_exact_mut(N).zip($other.chunks_exact(N)) {
-            let x = <$t>::from_le_bytes(a.try_into().expect("N"));
-            let y = <$t>::from_le_bytes(b.try_into().expect("N"));
-            let r = if $other_first { f(y, x) } else { f(x, y) };
-            a.copy_from_slice(&r.to_le_bytes());
+    ($t:ty, $acc:expr, $other:expr, $op:expr, $of:expr, $sum:expr) => {
+        match $op {
+            ReduceOp::Sum => zip_with::<$t, _>($acc, $other, $of, $sum),
+            ReduceOp::Min => zip_with::<$t, _>($acc, $other, $of, |a: $t, b: $t| a.min(b)),
+            ReduceOp::Max => zip_with::<$t, _>($acc, $other, $of, |a: $t, b: $t| a.max(b)),
         }
-    }};
+    };
 }
 
 /// `acc = acc op other` element-wise (`other op acc` when `other_first`: the operand order
@@ -200,13 +206,18 @@ macro_rules! reduce_as {
 pub fn reduce(dtype: DataType, op: ReduceOp, acc: &mut [u8], other: &[u8], other_first: bool) {
     debug_assert_eq!(acc.len(), other.len());
     match dtype {
-        DataType::U8 => reduce_as!(u8, acc, other, op, other_first, int),
-        DataType::I32 => reduce_as!(i32, acc, other, op, other_first, int),
-        DataType::U32 => reduce_as!(u32, acc, other, op, other_first, int),
-        DataType::I64 => reduce_as!(i64, acc, other, op, other_first, int),
-        DataType::U64 => reduce_as!(u64, acc, other, op, other_first, int),
-        DataType::F32 => reduce_as!(f32, acc, other, op, other_first, float),
-        DataType::F64 => reduce_as!(f64, acc, other, op, other_first, float),
+        DataType::U8 => reduce_as!(u8, acc, other, op, other_first, |a: u8, b: u8| a
+            .wrapping_add(b)),
+        DataType::I32 => reduce_as!(i32, acc, other, op, other_first, |a: i32, b: i32| a
+            .wrapping_add(b)),
+        DataType::U32 => reduce_as!(u32, acc, other, op, other_first, |a: u32, b: u32| a
+            .wrapping_add(b)),
+        DataType::I64 => reduce_as!(i64, acc, other, op, other_first, |a: i64, b: i64| a
+            .wrapping_add(b)),
+        DataType::U64 => reduce_as!(u64, acc, other, op, other_first, |a: u64, b: u64| a
+            .wrapping_add(b)),
+        DataType::F32 => reduce_as!(f32, acc, other, op, other_first, |a: f32, b: f32| a + b),
+        DataType::F64 => reduce_as!(f64, acc, other, op, other_first, |a: f64, b: f64| a + b),
     }
 }
 

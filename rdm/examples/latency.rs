@@ -1,0 +1,134 @@
+//! Tagged messages against the provider's own send/receive, in one process over loopback:
+//! one-way latency (half the mean round trip of a ping-pong, both sides busy-polling) and
+//! large-message round trips, printed in fabtests' style (usec one-way; MB = 10^6 bytes).
+//!
+//! `cargo run --release -p fabric-rdm --example latency [-- PROVIDER [ITERS]]`
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fabric::prelude::*;
+use fabric_rdm::{RdmCompletion, RdmConfig, RdmEndpoint, RecvBuf, Source};
+
+fn open(provider: &str) -> fabric::Result<Arc<AnyDomain>> {
+    Ok(Arc::new(
+        fabric::Selector::new().providers(provider)?.open()?.0,
+    ))
+}
+
+/// Ping-pong of `len` bytes over the provider's connected endpoints; returns usec one-way.
+fn raw(provider: &str, len: usize, iters: usize) -> fabric::Result<f64> {
+    let (da, db) = (open(provider)?, open(provider)?);
+    let (cqa, cqb) = (da.create_cq(64)?, db.create_cq(64)?);
+    let l = db.listen("127.0.0.1:0".parse().expect("addr"))?;
+    let addr = l.local_addr();
+    let b = std::thread::scope(|s| {
+        let h = s.spawn(|| l.accept(&EndpointConfig::new(&cqb), Duration::from_secs(10)));
+        let a = da.connect(addr, &EndpointConfig::new(&cqa));
+        (a, h.join().expect("accept thread"))
+    });
+    let (a, b) = (b.0?, b.1?);
+    let (ma, mb) = (
+        da.alloc(len.max(1), Access::LOCAL_WRITE)?,
+        db.alloc(len.max(1), Access::LOCAL_WRITE)?,
+    );
+    let (sa, sb) = (ma.slice(0..len)?, mb.slice(0..len)?);
+    let spin = |cq: &AnyCq, stash: &mut Vec<Completion>, want: u64| -> fabric::Result<()> {
+        loop {
+            if let Some(i) = stash.iter().position(|c| c.context == want) {
+                let c = stash.remove(i);
+                assert!(c.is_ok(), "{c:?}");
+                return Ok(());
+            }
+            cq.poll(stash, 4)?;
+        }
+    };
+    let (mut oa, mut ob) = (Vec::new(), Vec::new());
+    let mut run = |n: usize| -> fabric::Result<Duration> {
+        let t = Instant::now();
+        for _ in 0..n {
+            b.post_recv(&RecvWr::new(10, &[sb]))?;
+            a.post_recv(&RecvWr::new(20, &[sa]))?;
+            a.post_send(&SendWr::send(1, &[sa]))?;
+            spin(&cqb, &mut ob, 10)?;
+            b.post_send(&SendWr::send(2, &[sb]))?;
+            spin(&cqa, &mut oa, 20)?;
+            spin(&cqa, &mut oa, 1)?;
+            spin(&cqb, &mut ob, 2)?;
+        }
+        Ok(t.elapsed())
+    };
+    run(iters / 10 + 1)?;
+    Ok(run(iters)?.as_secs_f64() * 1e6 / iters as f64 / 2.0)
+}
+
+/// The same ping-pong with tagged messages over RDM endpoints.
+fn tagged(provider: &str, len: usize, iters: usize) -> fabric::Result<f64> {
+    let (da, db) = (open(provider)?, open(provider)?);
+    let a = RdmEndpoint::new(da.clone(), RdmConfig::default())?;
+    let b = RdmEndpoint::new(db.clone(), RdmConfig::default())?;
+    let ab = a.av_insert(b.addr());
+    let ba = b.av_insert(a.addr());
+    let acc = Access::LOCAL_WRITE | Access::REMOTE_READ;
+    let (sa, sb) = (da.alloc(len.max(1), acc)?, db.alloc(len.max(1), acc)?);
+    let (ra, rb) = (
+        Arc::new(da.alloc(len.max(1), acc)?),
+        Arc::new(db.alloc(len.max(1), acc)?),
+    );
+    let until = |ep: &RdmEndpoint,
+                 other: &RdmEndpoint,
+                 stash: &mut Vec<RdmCompletion>,
+                 want: u64|
+     -> fabric::Result<()> {
+        loop {
+            if let Some(i) = stash.iter().position(|c| c.context == want) {
+                let c = stash.remove(i);
+                assert!(c.is_ok(), "{c:?}");
+                return Ok(());
+            }
+            other.progress()?;
+            ep.poll(stash)?;
+        }
+    };
+    let (mut oa, mut ob) = (Vec::new(), Vec::new());
+    let mut run = |n: usize| -> fabric::Result<Duration> {
+        let t = Instant::now();
+        for _ in 0..n {
+            b.trecv(Source::Peer(ba), 1, 0, RecvBuf::new(rb.clone(), 0, len), 10)?;
+            a.trecv(Source::Peer(ab), 2, 0, RecvBuf::new(ra.clone(), 0, len), 20)?;
+            a.tsend(ab, 1, sa.slice(0..len)?, 1)?;
+            until(&b, &a, &mut ob, 10)?;
+            b.tsend(ba, 2, sb.slice(0..len)?, 2)?;
+            until(&a, &b, &mut oa, 20)?;
+            until(&a, &b, &mut oa, 1)?;
+            until(&b, &a, &mut ob, 2)?;
+        }
+        Ok(t.elapsed())
+    };
+    run(iters / 10 + 1)?;
+    Ok(run(iters)?.as_secs_f64() * 1e6 / iters as f64 / 2.0)
+}
+
+fn main() -> fabric::Result<()> {
+    let provider = std::env::args().nth(1).unwrap_or_else(|| "tcp".into());
+    let iters: usize = std::env::args()
+        .nth(2)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2000);
+    println!("# {provider}, one process, both sides busy-polling; usec one-way, MB/s = 10^6 B/s");
+    println!(
+        "{:>10} {:>8} {:>14} {:>14} {:>8} {:>12}",
+        "bytes", "iters", "send (us)", "tagged (us)", "ratio", "tagged MB/s"
+    );
+    for len in [8usize, 1024, 65536, 1 << 20] {
+        let n = if len >= 65536 { iters / 20 + 10 } else { iters };
+        let r = raw(&provider, len, n)?;
+        let t = tagged(&provider, len, n)?;
+        println!(
+            "{len:>10} {n:>8} {r:>14.2} {t:>14.2} {:>7.2}x {:>12.1}",
+            t / r,
+            len as f64 / t
+        );
+    }
+    Ok(())
+}
