@@ -179,6 +179,11 @@ struct State {
     next_seq: u64,
     msn: [u32; qn::COUNT],
     next_req_id: u32,
+    /// The receive machine is handling a batch: delivery acks are counted here and sent
+    /// as one ack per kind when the batch ends ([`Conn::flush_acks`]).
+    batching: bool,
+    /// Acks owed: RDMA Writes placed, messages matched.
+    acks_owed: [u32; 2],
 }
 
 /// The shared state of one connection.
@@ -254,6 +259,8 @@ impl Conn {
                 next_seq: 0,
                 msn: [1; qn::COUNT],
                 next_req_id: 1,
+                batching: false,
+                acks_owed: [0; 2],
             }),
             tx: Mutex::new(TxQueue::default()),
             rx: Mutex::new(Rx::new(crc)),
@@ -832,6 +839,29 @@ impl Conn {
     /// Acknowledges `ulp & ACK_COUNT` placed messages: writes, or (with [`ddp::ACK_MESSAGES`])
     /// sends and immediate data that landed in receives.
     fn send_ack(&self, st: &mut State, ulp: u32) {
+        if st.batching {
+            let kind = usize::from(ulp & ddp::ACK_MESSAGES != 0);
+            st.acks_owed[kind] = st.acks_owed[kind].saturating_add(ulp & ddp::ACK_COUNT);
+            return;
+        }
+        self.transmit_ack(st, ulp);
+    }
+
+    /// Sends the acks counted during a receive batch: one per kind, carrying the count
+    /// (the wire's ack counts; the peer credits that many operations in order).
+    fn flush_acks(&self, st: &mut State) {
+        st.batching = false;
+        for (kind, flag) in [(0, 0), (1, ddp::ACK_MESSAGES)] {
+            let mut n = std::mem::take(&mut st.acks_owed[kind]);
+            while n > 0 {
+                let take = n.min(ddp::ACK_COUNT);
+                self.transmit_ack(st, flag | take);
+                n -= take;
+            }
+        }
+    }
+
+    fn transmit_ack(&self, st: &mut State, ulp: u32) {
         self.transmit(
             st,
             OutMsg::control(

@@ -189,11 +189,18 @@ impl Conn {
     /// connection ends (then the endpoint fails or disconnects, as the end says).
     pub(super) fn rx_step(&self, rx: &mut Rx) {
         if !rx.done {
-            let over = self.lock().status != EndpointState::Connected;
+            let over = {
+                let mut st = self.lock();
+                // Acks of what this batch places and matches go out together at its end.
+                st.batching = st.status == EndpointState::Connected;
+                !st.batching
+            };
             let res = if over {
                 Err(RxEnd::Local)
             } else {
-                self.rx_run(rx)
+                let res = self.rx_run(rx);
+                self.flush_acks(&mut self.lock());
+                res
             };
             match res {
                 Ok(()) => return,
