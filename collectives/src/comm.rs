@@ -11,8 +11,18 @@ use crate::reduce::{from_bytes, reduce, to_bytes, DataType, Element, ReduceOp};
 
 /// Tags of collectives: this bit, the call's sequence number, the step.
 const TAG_BIT: u64 = 1 << 63;
-const SEND_CTX: u64 = 1;
-const RECV_CTX: u64 = 2;
+const SEND_CTX: u64 = 0;
+const RECV_CTX: u64 = 1 << 32;
+
+/// A step in flight (see [`Comm::start`]).
+#[derive(Debug)]
+struct Pending {
+    step: u64,
+    sends: usize,
+    recvs: usize,
+    rlen: usize,
+    rseg: usize,
+}
 
 /// Algorithm thresholds.
 #[derive(Debug, Clone, Copy)]
@@ -24,6 +34,9 @@ pub struct CommConfig {
     pub bcast_small_max: usize,
     /// Chunk of the pipelined broadcast.
     pub bcast_chunk: usize,
+    /// Large transfers move in segments of this many bytes (at least 1/256 of the
+    /// transfer), each its own message, so reductions overlap the transfer.
+    pub segment: usize,
     /// How long one step may wait for a peer before the collective fails.
     pub timeout: Duration,
 }
@@ -34,6 +47,7 @@ impl Default for CommConfig {
             small_max: 64 << 10,
             bcast_small_max: 256 << 10,
             bcast_chunk: 256 << 10,
+            segment: 512 << 10,
             timeout: Duration::from_secs(60),
         }
     }
@@ -114,8 +128,8 @@ impl Comm {
         Ok(())
     }
 
-    fn tag(&self, step: u64) -> u64 {
-        TAG_BIT | (self.seq & 0xff_ffff_ffff) << 20 | (step & 0xf_ffff)
+    fn tag(&self, step: u64, segment: usize) -> u64 {
+        TAG_BIT | (self.seq & 0xff_ffff_ffff) << 20 | (step & 0xfff) << 8 | segment as u64 & 0xff
     }
 
     /// One step: sends `send` to rank `to` and receives `recv_len` bytes from rank `from`
@@ -137,31 +151,76 @@ impl Comm {
         send: Option<(usize, &[u8])>,
         recv: Option<(usize, usize)>,
     ) -> Result<Vec<u8>> {
-        let step = rstep;
+        let p = self.start(sstep, rstep, send, recv)?;
+        let mut out = vec![0u8; p.rlen];
+        self.finish(p, |off, d| out[off..off + d.len()].copy_from_slice(d))?;
+        Ok(out)
+    }
+
+    /// Segment size for a transfer of `len` bytes (at most 256 segments).
+    fn segment(&self, len: usize) -> usize {
+        self.cfg.segment.max(1).max(len.div_ceil(256))
+    }
+
+    /// Posts one step in segments (receives first, then sends, from a registered copy of
+    /// `send`): segment `k` of a step is its own tagged message, so the reduction of one
+    /// overlaps the transfer of the next.
+    fn start(
+        &mut self,
+        sstep: u64,
+        rstep: u64,
+        send: Option<(usize, &[u8])>,
+        recv: Option<(usize, usize)>,
+    ) -> Result<Pending> {
         self.ensure(send.map_or(0, |s| s.1.len()), recv.map_or(0, |r| r.1))?;
-        let tag = self.tag(sstep);
-        let rtag = self.tag(rstep);
+        let mut p = Pending {
+            step: rstep,
+            sends: 0,
+            recvs: 0,
+            rlen: 0,
+            rseg: 1,
+        };
         if let Some((from, len)) = recv {
-            self.ep.trecv(
-                Source::Peer(self.peers[from]),
-                rtag,
-                0,
-                RecvBuf::new(self.rbuf.clone(), 0, len),
-                RECV_CTX,
-            )?;
+            let seg = self.segment(len);
+            let n = len.div_ceil(seg).max(1);
+            for k in 0..n {
+                let off = k * seg;
+                let l = seg.min(len - off.min(len));
+                self.ep.trecv(
+                    Source::Peer(self.peers[from]),
+                    self.tag(rstep, k),
+                    0,
+                    RecvBuf::new(self.rbuf.clone(), off, l),
+                    RECV_CTX | k as u64,
+                )?;
+            }
+            (p.recvs, p.rlen, p.rseg) = (n, len, seg);
         }
         if let Some((to, data)) = send {
             self.sbuf.buffer().write(0, data);
-            self.ep.tsend(
-                self.peers[to],
-                tag,
-                self.sbuf.slice(0..data.len())?,
-                SEND_CTX,
-            )?;
+            let seg = self.segment(data.len());
+            let n = data.len().div_ceil(seg).max(1);
+            for k in 0..n {
+                let off = (k * seg).min(data.len());
+                let end = (off + seg).min(data.len());
+                self.ep.tsend(
+                    self.peers[to],
+                    self.tag(sstep, k),
+                    self.sbuf.slice(off..end)?,
+                    SEND_CTX | k as u64,
+                )?;
+            }
+            p.sends = n;
         }
-        let mut left = usize::from(send.is_some()) + usize::from(recv.is_some());
-        let mut got = 0;
-        while left > 0 {
+        Ok(p)
+    }
+
+    /// Waits for a step posted by [`Comm::start`], handing each received segment (its
+    /// offset and bytes) to `on_seg` as it lands.
+    fn finish(&mut self, p: Pending, mut on_seg: impl FnMut(usize, &[u8])) -> Result<()> {
+        let (mut sends, mut recvs) = (p.sends, p.recvs);
+        let mut tmp = Vec::new();
+        while sends + recvs > 0 {
             let c = self.ep.next_completion(self.cfg.timeout)?;
             if !c.is_ok() {
                 return Err(Error::new(
@@ -170,28 +229,33 @@ impl Comm {
                         _ => ErrorKind::InvalidState,
                     },
                     format!(
-                        "collective step {step}: {:?} completed {:?}",
-                        c.op, c.status
+                        "collective step {}: {:?} completed {:?}",
+                        p.step, c.op, c.status
                     ),
                 ));
             }
-            if c.context == RECV_CTX {
-                got = c.len as usize;
-            }
-            left -= 1;
-        }
-        Ok(match recv {
-            Some((_, len)) => {
-                if got != len {
+            if c.context & RECV_CTX != 0 {
+                let k = (c.context & !RECV_CTX) as usize;
+                let off = k * p.rseg;
+                let want = p.rseg.min(p.rlen - off.min(p.rlen));
+                if c.len as usize != want || c.msg_len as usize != want {
                     return Err(Error::new(
                         ErrorKind::Protocol,
-                        format!("collective step {step}: {got} bytes arrived, {len} expected"),
+                        format!(
+                            "collective step {}: segment {k} of {} bytes, {want} expected",
+                            p.step, c.msg_len
+                        ),
                     ));
                 }
-                self.rbuf.buffer().to_vec(0, len)
+                tmp.resize(want, 0);
+                self.rbuf.buffer().read(off, &mut tmp);
+                on_seg(off, &tmp);
+                recvs -= 1;
+            } else {
+                sends -= 1;
             }
-            None => Vec::new(),
-        })
+        }
+        Ok(())
     }
 
     /// Waits until every rank has called it (dissemination: log2(n) rounds).
@@ -300,13 +364,14 @@ impl Comm {
         for s in 0..n - 1 {
             let sb = blk(r + shift + n - s);
             let rb = blk(r + shift + n - s - 1);
-            let send = buf[sb].to_vec();
-            let got = self.step(
-                1000 + s as u64,
-                Some(((r + 1) % n, &send)),
+            let p = self.start(
+                2048 + s as u64,
+                2048 + s as u64,
+                Some(((r + 1) % n, &buf[sb])),
                 Some(((r + n - 1) % n, rb.len())),
             )?;
-            buf[rb].copy_from_slice(&got);
+            let dst = &mut buf[rb];
+            self.finish(p, |off, d| dst[off..off + d.len()].copy_from_slice(d))?;
         }
         Ok(())
     }
@@ -325,13 +390,16 @@ impl Comm {
         for s in 0..n - 1 {
             let sb = blk(r + 2 * n - s - 1);
             let rb = blk(r + 2 * n - s - 2);
-            let send = buf[sb].to_vec();
-            let got = self.step(
+            let p = self.start(
                 s as u64,
-                Some(((r + 1) % n, &send)),
+                s as u64,
+                Some(((r + 1) % n, &buf[sb])),
                 Some(((r + n - 1) % n, rb.len())),
             )?;
-            reduce(dtype, op, &mut buf[rb], &got, true);
+            let dst = &mut buf[rb];
+            self.finish(p, |off, d| {
+                reduce(dtype, op, &mut dst[off..off + d.len()], d, true)
+            })?;
         }
         Ok(())
     }

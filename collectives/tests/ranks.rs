@@ -24,7 +24,12 @@ fn run<R: Send + 'static>(n: usize, f: impl Fn(&mut Comm) -> R + Send + Sync + '
         .map(|(r, (d, ep))| {
             let (names, f) = (names.clone(), f.clone());
             std::thread::spawn(move || {
-                let mut c = Comm::new(d, ep, r, &names, CommConfig::default()).expect("comm");
+                // Small segments: large transfers go in many messages.
+                let cfg = CommConfig {
+                    segment: 8192,
+                    ..CommConfig::default()
+                };
+                let mut c = Comm::new(d, ep, r, &names, cfg).expect("comm");
                 f(&mut c)
             })
         })
