@@ -3,13 +3,19 @@
 //!
 //! Every case runs against a provider chosen by name through the same run-time selection
 //! applications use. Outcomes are [`Outcome::Pass`], [`Outcome::Fail`],
-//! [`Outcome::Unsupported`] (only where the provider's capabilities declare the operation
-//! unsupported, and only after the suite checked that posting it returns `Unsupported`) and
+//! [`Outcome::Unsupported`] (only where the provider's capabilities, or what the connection
+//! negotiated (`Endpoint::ops`), lack what the case needs, and only after the suite checked
+//! that posting it returns `Unsupported`; `RNR_WAIT` and `READ_PROTECTION` are guarantees
+//! rather than operations) and
 //! [`Outcome::NoDevice`] (the provider could not run here, with the reason). A provider that
 //! could not run never passes.
 //!
 //! Cases marked multi-process start their peer as a separate process: the `fabric` binary's
 //! hidden `peer` subcommand, which runs [`peer::main`].
+//!
+//! Each case carries the number of the contract section it proves ([`Case::section`]);
+//! `docs/contract.md` lists, section by section, the cases and every provider's documented
+//! deviations.
 #![forbid(unsafe_code)]
 
 mod cases;
