@@ -64,7 +64,11 @@
 //! seen at once). The next operation to the peer connects again.
 //!
 //! # Limits
-//! A connection is made inside the posting call (up to [`RdmConfig::connect_timeout`]),
+//! Credits keep every message behind a posted buffer, except right after a connection is
+//! made: the first messages may arrive before the accepting side posted its buffers, and
+//! wait there on the provider's receiver-not-ready retry (`OpSet::RNR_WAIT`), which a pair
+//! of different providers may lack (tcp against iwarp). A connection is made inside the
+//! posting call (up to [`RdmConfig::connect_timeout`]),
 //! holding the endpoint. RDMA operations go to the provider at once and may overtake
 //! messages to the same peer that are still waiting for credits. An RDMA error (a bad
 //! key) puts the provider's connection in the error state: it is dropped, what was queued

@@ -15,7 +15,10 @@ use super::cases;
 use crate::ensure;
 use crate::harness::{note, region, Case, CaseResultOf, Ctx, Ctxt};
 
-const MSG: OpSet = OpSet::SEND.union(OpSet::READ);
+/// What every case needs: messages, RDMA Read (rendezvous) and the receiver-not-ready wait
+/// (a message sent right after connecting may arrive before the acceptor posted its
+/// receive buffers; after that, credits keep senders behind posted buffers).
+const MSG: OpSet = OpSet::SEND.union(OpSet::READ).union(OpSet::RNR_WAIT);
 
 pub(super) fn cases() -> Vec<Case> {
     cases! {
@@ -370,8 +373,10 @@ fn many_peers(ctx: &Ctx) -> CaseResultOf {
         hub.stats().connections
     );
     if let (Some(b), Some(a)) = (before, after) {
+        // Other cases may run beside this one in the process: the bound leaves them room,
+        // and a thread per peer would still exceed it.
         ensure!(
-            a < b + n / 2,
+            a < b + n,
             "{n} connections from one endpoint added {} threads",
             a.saturating_sub(b)
         );
