@@ -10,7 +10,8 @@
 //! ```
 //!
 //! The selection requires FETCH_ADD: on a machine whose best provider lacks it (iWARP has
-//! no atomics in RDMAP), the next provider that has it is chosen and the report says why.
+//! no atomics in RDMAP, and the iwarp provider emulates them only where the device allows
+//! 56-byte inline writes), the next provider that has it is chosen and the report says why.
 //! On roce, listen on the device's address (`--listen 192.168.77.1:0` for rxe0).
 
 use std::net::SocketAddr;
