@@ -37,6 +37,7 @@ pub(super) fn cases() -> Vec<Case> {
         "tag.unexpected_flood_waits_bounded", "9", MSG => unexpected_flood;
         "tag.unexpected_then_posted", "9", MSG => unexpected_then_posted;
         "tag.truncating_receive", "9", MSG => truncating;
+        "tag.truncating_receive_two_processes", "9", MSG => truncating_two_processes;
         "tag.probe_and_claim", "9", MSG => probe_claim;
         "tag.synchronous_send_waits_for_match", "9", MSG => sync_send;
         "tag.cancel_receive", "9", MSG => cancel;
@@ -1226,5 +1227,53 @@ fn dying_peer(ctx: &Ctx) -> CaseResultOf {
         "peer killed: its receive failed {:?} after {seen:?}; the 2 other peer processes kept answering",
         c.status
     ));
+    Ok(())
+}
+
+fn truncating_two_processes(ctx: &Ctx) -> CaseResultOf {
+    // Another process sends 3 eager and 3 rendezvous messages; 16-byte receives take their
+    // first bytes (the message's number), complete LocalLength, and the sender's sends all
+    // complete normally (it reports SENT only then).
+    let (d, me) = my_endpoint(ctx, cfg(ctx))?;
+    let big = (RdmConfig::default().eager_max * 3).to_string();
+    for (tag, size) in [("5", "300"), ("6", big.as_str())] {
+        let p = RdmPeer::start(
+            ctx,
+            &me,
+            &[
+                "--mode", "send", "--count", "3", "--size", size, "--tag", tag,
+            ],
+        )?;
+        let h = me.av_insert_name(&p.name).ctx("insert")?;
+        let dst = recv_region(&d, 64)?;
+        for i in 0..3u64 {
+            dst.buffer().fill(0, 64, 0xee);
+            me.trecv(
+                Source::Peer(h),
+                tag.parse().expect("tag"),
+                0,
+                RecvBuf::new(dst.clone(), 0, 16),
+                i,
+            )
+            .ctx("trecv")?;
+            let c = next(&me, ctx)?;
+            ensure!(
+                c.status == RdmStatus::Error(ErrorKind::LocalLength)
+                    && c.len == 16
+                    && c.msg_len == size.parse::<u64>().expect("size"),
+                "{size}-byte message into 16 bytes: {c:?}"
+            );
+            let b = dst.buffer().to_vec(0, 17);
+            ensure!(
+                b[..8] == i.to_le_bytes()
+                    && b[8..16].iter().all(|&x| x == i as u8)
+                    && b[16] == 0xee,
+                "{size}-byte message {i}: first bytes {:?}",
+                &b
+            );
+        }
+        let l = p.line(ctx.timeout)?;
+        ensure!(l == "SENT 3", "the sender said {l:?}");
+    }
     Ok(())
 }
