@@ -104,17 +104,8 @@ pub struct CollArgs {
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
-    let s = s.trim();
-    let (num, mul) = match s.char_indices().last() {
-        Some((i, 'K' | 'k')) => (&s[..i], 1usize << 10),
-        Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
-        Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<usize>()
-        .ok()
-        .and_then(|n| n.checked_mul(mul))
-        .ok_or_else(|| format!("bad size {s:?} (e.g. 8, 1K, 64M)"))
+    let v = crate::units::parse_size(s)?;
+    usize::try_from(v).map_err(|_| format!("{s:?} is too large"))
 }
 
 fn sizes(a: &CollArgs) -> Result<Vec<usize>, String> {

@@ -9,6 +9,7 @@ mod perf;
 mod reliability;
 mod rping;
 mod scale;
+mod units;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;

@@ -208,25 +208,9 @@ impl Op {
     }
 }
 
-/// Parses a size: digits with an optional K, M or G suffix (binary: K = 1024).
+/// A message size: 1 byte to 1 GiB, binary suffixes ([`crate::units::parse_size`]).
 fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let (digits, mult) = match t.char_indices().last() {
-        Some((i, 'k' | 'K')) => (&t[..i], 1u64 << 10),
-        Some((i, 'm' | 'M')) => (&t[..i], 1 << 20),
-        Some((i, 'g' | 'G')) => (&t[..i], 1 << 30),
-        _ => (t, 1),
-    };
-    let n: u64 = digits.parse().map_err(|_| {
-        format!("{s:?} is not a size: digits with an optional K, M or G suffix, e.g. 64K")
-    })?;
-    let v = n
-        .checked_mul(mult)
-        .ok_or_else(|| format!("{s:?} is too large"))?;
-    if v == 0 || v > 1 << 30 {
-        return Err(format!("size {s} out of range: 1 byte to 1G"));
-    }
-    Ok(v)
+    crate::units::parse_size_in(s, 1, 1 << 30)
 }
 
 /// The default number of timed iterations for a test at one size.
