@@ -235,8 +235,10 @@ fn round_up(n: usize, to: usize) -> usize {
     n.div_ceil(to) * to
 }
 
-/// An endpoint name: the listener's address, as bytes to exchange out of band.
-fn encode_name(addr: SocketAddr) -> Vec<u8> {
+/// An endpoint name: the listener's address and the endpoint's nonce (which tells apart two
+/// endpoints that used the same address one after the other), as bytes to exchange out of
+/// band: version 1, family 4 or 6, the IP, the port (big-endian), the nonce (u64 LE).
+fn encode_name(addr: SocketAddr, nonce: u64) -> Vec<u8> {
     let mut v = vec![1u8];
     match addr.ip() {
         IpAddr::V4(ip) => {
@@ -249,29 +251,51 @@ fn encode_name(addr: SocketAddr) -> Vec<u8> {
         }
     }
     v.extend_from_slice(&addr.port().to_be_bytes());
+    v.extend_from_slice(&nonce.to_le_bytes());
     v
 }
 
-/// Decodes an endpoint name made by [`RdmEndpoint::name`].
-pub fn decode_name(b: &[u8]) -> Result<SocketAddr> {
+/// The address and nonce in an endpoint name.
+fn decode_full(b: &[u8]) -> Result<(SocketAddr, u64)> {
     let bad = || Error::invalid(format!("not an rdm endpoint name: {b:02x?}"));
-    match b {
-        [1, 4, rest @ ..] if rest.len() == 6 => {
+    let (ip, rest): (IpAddr, &[u8]) = match b {
+        [1, 4, rest @ ..] if rest.len() == 4 + 2 + 8 => {
             let ip: [u8; 4] = rest[..4].try_into().map_err(|_| bad())?;
-            Ok(SocketAddr::from((
-                ip,
-                u16::from_be_bytes([rest[4], rest[5]]),
-            )))
+            (ip.into(), &rest[4..])
         }
-        [1, 6, rest @ ..] if rest.len() == 18 => {
+        [1, 6, rest @ ..] if rest.len() == 16 + 2 + 8 => {
             let ip: [u8; 16] = rest[..16].try_into().map_err(|_| bad())?;
-            Ok(SocketAddr::from((
-                ip,
-                u16::from_be_bytes([rest[16], rest[17]]),
-            )))
+            (ip.into(), &rest[16..])
         }
-        _ => Err(bad()),
+        _ => return Err(bad()),
+    };
+    let port = u16::from_be_bytes([rest[0], rest[1]]);
+    let nonce = u64::from_le_bytes(rest[2..10].try_into().map_err(|_| bad())?);
+    if nonce == 0 {
+        return Err(bad());
     }
+    Ok((SocketAddr::new(ip, port), nonce))
+}
+
+/// The address in an endpoint name made by [`RdmEndpoint::name`].
+pub fn decode_name(b: &[u8]) -> Result<SocketAddr> {
+    Ok(decode_full(b)?.0)
+}
+
+/// A nonzero number no other endpoint is likely to pick (std's randomly seeded hasher over
+/// the time, the process and a counter).
+fn new_nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    h.write_u64(COUNT.fetch_add(1, Ordering::Relaxed));
+    h.finish().max(1)
 }
 
 /// Connection private data: `b'R'`, the sender's receive depth (u32 LE), its name.
@@ -282,10 +306,12 @@ fn private_data(depth: u32, name: &[u8]) -> Vec<u8> {
     v
 }
 
-fn parse_private(b: &[u8]) -> Result<(u32, SocketAddr)> {
+/// Receive depth, address and nonce from connection private data.
+fn parse_private(b: &[u8]) -> Result<(u32, SocketAddr, u64)> {
     match b {
         [b'R', d0, d1, d2, d3, name @ ..] => {
-            Ok((u32::from_le_bytes([*d0, *d1, *d2, *d3]), decode_name(name)?))
+            let (addr, nonce) = decode_full(name)?;
+            Ok((u32::from_le_bytes([*d0, *d1, *d2, *d3]), addr, nonce))
         }
         _ => Err(Error::new(
             ErrorKind::Protocol,
@@ -297,6 +323,8 @@ fn parse_private(b: &[u8]) -> Result<(u32, SocketAddr)> {
 #[derive(Debug)]
 struct AvEntry {
     addr: SocketAddr,
+    /// The endpoint's nonce; 0 while unknown (inserted by address, not yet connected).
+    nonce: u64,
     gen: u32,
     live: bool,
     send_conn: Option<u64>,
@@ -424,7 +452,7 @@ struct Inner {
     max_reads: u32,
     slot: usize,
     av: Vec<AvEntry>,
-    by_addr: HashMap<SocketAddr, u32>,
+    by_addr: HashMap<(SocketAddr, u64), u32>,
     conns: HashMap<u64, Conn>,
     next_conn: u64,
     cq_reserved: usize,
@@ -450,6 +478,7 @@ pub struct RdmEndpoint {
     stop: Arc<AtomicBool>,
     acceptor: Option<JoinHandle<()>>,
     addr: SocketAddr,
+    nonce: u64,
 }
 
 fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
@@ -476,7 +505,8 @@ impl RdmEndpoint {
                 }
             }
         }
-        let name = encode_name(addr);
+        let nonce = new_nonce();
+        let name = encode_name(addr, nonce);
         let pdata = private_data(cfg.recv_depth, &name);
         if pdata.len() > limits.max_private_data as usize {
             return Err(Error::unsupported(format!(
@@ -534,13 +564,14 @@ impl RdmEndpoint {
             stop,
             acceptor: Some(acceptor),
             addr,
+            nonce,
         })
     }
 
     /// The endpoint's name, to exchange out of band and insert with
     /// [`RdmEndpoint::av_insert_name`].
     pub fn name(&self) -> Vec<u8> {
-        encode_name(self.addr)
+        encode_name(self.addr, self.nonce)
     }
 
     /// The address peers connect to.
@@ -549,14 +580,17 @@ impl RdmEndpoint {
     }
 
     /// Inserts a peer by the address of its endpoint (see [`RdmEndpoint::addr`]); inserting
-    /// an address twice returns the same handle.
+    /// an address twice returns the same handle. The first connection learns which endpoint
+    /// answers there; a later one at the same address is another peer.
     pub fn av_insert(&self, addr: SocketAddr) -> Peer {
-        lock(&self.inner).av_insert(addr)
+        lock(&self.inner).av_insert(addr, 0)
     }
 
-    /// Inserts a peer by its endpoint name.
+    /// Inserts a peer by its endpoint name: exactly that endpoint (an endpoint that took
+    /// its address later is refused with `ConnectionRefused`).
     pub fn av_insert_name(&self, name: &[u8]) -> Result<Peer> {
-        Ok(self.av_insert(decode_name(name)?))
+        let (addr, nonce) = decode_full(name)?;
+        Ok(lock(&self.inner).av_insert(addr, nonce))
     }
 
     /// Removes a peer: its connections close, operations addressed to it fail `Flushed`,
@@ -579,8 +613,8 @@ impl RdmEndpoint {
         let e = &mut g.av[idx as usize];
         e.live = false;
         e.gen = e.gen.wrapping_add(1);
-        let addr = e.addr;
-        g.by_addr.remove(&addr);
+        let key = (e.addr, e.nonce);
+        g.by_addr.remove(&key);
         Ok(())
     }
 
@@ -906,8 +940,8 @@ fn accept_loop(
             Ok(ep) => {
                 let mut g = lock(&inner);
                 match parse_private(&ep.peer_private_data()) {
-                    Ok((depth, addr)) => {
-                        let idx = g.av_insert(addr).idx;
+                    Ok((depth, addr, nonce)) => {
+                        let idx = g.av_accepted(addr, nonce);
                         if let Err(e) = g.install(ep, idx, depth, false) {
                             tracing::warn!(target: "fabric_rdm", "accepted connection from {addr} dropped: {e}");
                         }
@@ -928,8 +962,22 @@ fn accept_loop(
 }
 
 impl Inner {
-    fn av_insert(&mut self, addr: SocketAddr) -> Peer {
-        if let Some(&i) = self.by_addr.get(&addr) {
+    /// The peer a connection from endpoint (`addr`, `nonce`) comes from: its entry, else
+    /// an entry inserted by address whose endpoint is not known yet, else a new entry.
+    fn av_accepted(&mut self, addr: SocketAddr, nonce: u64) -> u32 {
+        if let Some(&i) = self.by_addr.get(&(addr, nonce)) {
+            return i;
+        }
+        if let Some(i) = self.by_addr.remove(&(addr, 0)) {
+            self.av[i as usize].nonce = nonce;
+            self.by_addr.insert((addr, nonce), i);
+            return i;
+        }
+        self.av_insert(addr, nonce).idx
+    }
+
+    fn av_insert(&mut self, addr: SocketAddr, nonce: u64) -> Peer {
+        if let Some(&i) = self.by_addr.get(&(addr, nonce)) {
             return Peer {
                 idx: i,
                 gen: self.av[i as usize].gen,
@@ -939,6 +987,7 @@ impl Inner {
             Some(i) => {
                 let e = &mut self.av[i];
                 e.addr = addr;
+                e.nonce = nonce;
                 e.live = true;
                 e.send_conn = None;
                 i
@@ -946,6 +995,7 @@ impl Inner {
             None => {
                 self.av.push(AvEntry {
                     addr,
+                    nonce,
                     gen: 0,
                     live: true,
                     send_conn: None,
@@ -953,7 +1003,7 @@ impl Inner {
                 self.av.len() - 1
             }
         } as u32;
-        self.by_addr.insert(addr, idx);
+        self.by_addr.insert((addr, nonce), idx);
         Peer {
             idx,
             gen: self.av[idx as usize].gen,
@@ -1142,7 +1192,27 @@ impl Inner {
         ecfg.timeout = self.cfg.connect_timeout;
         let addr = self.av[idx as usize].addr;
         let ep = self.domain.connect(addr, &ecfg)?;
-        let (depth, _) = parse_private(&ep.peer_private_data())?;
+        let (depth, _, nonce) = match parse_private(&ep.peer_private_data()) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = ep.close();
+                return Err(e);
+            }
+        };
+        let known = self.av[idx as usize].nonce;
+        if known == 0 {
+            if !self.by_addr.contains_key(&(addr, nonce)) {
+                self.by_addr.remove(&(addr, 0));
+                self.by_addr.insert((addr, nonce), idx);
+                self.av[idx as usize].nonce = nonce;
+            }
+        } else if known != nonce {
+            let _ = ep.close();
+            return Err(Error::new(
+                ErrorKind::ConnectionRefused,
+                format!("the endpoint at {addr} is not the one inserted (it went away and another took its address)"),
+            ));
+        }
         self.install(ep, idx, depth, true)
     }
 
@@ -1834,18 +1904,23 @@ mod tests {
     fn names_round_trip_and_garbage_is_refused() {
         for a in ["127.0.0.1:7000", "[::1]:65535"] {
             let a: SocketAddr = a.parse().unwrap();
-            assert_eq!(decode_name(&encode_name(a)).unwrap(), a);
+            assert_eq!(decode_full(&encode_name(a, 77)).unwrap(), (a, 77));
+            assert_eq!(decode_name(&encode_name(a, 77)).unwrap(), a);
+            assert!(
+                decode_full(&encode_name(a, 0)).is_err(),
+                "nonce 0 means unknown"
+            );
         }
         assert_eq!(
             decode_name(b"hello").unwrap_err().kind(),
             ErrorKind::InvalidArgument
         );
-        let (d, a) = parse_private(&private_data(
+        let (d, a, n) = parse_private(&private_data(
             16,
-            &encode_name("10.0.0.1:5".parse().unwrap()),
+            &encode_name("10.0.0.1:5".parse().unwrap(), 9),
         ))
         .unwrap();
-        assert_eq!((d, a), (16, "10.0.0.1:5".parse().unwrap()));
+        assert_eq!((d, a, n), (16, "10.0.0.1:5".parse().unwrap(), 9));
         assert!(parse_private(b"X").is_err());
     }
 

@@ -27,6 +27,7 @@ pub(super) fn cases() -> Vec<Case> {
         "rdm.peer_that_connects_first_is_named", "9", MSG => peer_connects_first;
         "rdm.untagged_in_order", "9", MSG => untagged_in_order;
         "rdm.many_peers_no_thread_per_peer", "9", MSG => many_peers;
+        "rdm.endpoint_in_a_reused_address_is_another_peer", "9", MSG => reused_address;
         "rdm.rma_by_handle", "9", MSG | OpSet::WRITE => rma_by_handle;
         "rdm.atomics_by_handle", "9", MSG | OpSet::ATOMICS => atomics_by_handle;
         "rdm.dying_peer_among_healthy", "9", MSG => dying_peer;
@@ -386,6 +387,83 @@ fn many_peers(ctx: &Ctx) -> CaseResultOf {
             n
         ));
     }
+    Ok(())
+}
+
+fn reused_address(ctx: &Ctx) -> CaseResultOf {
+    // b goes away and c takes its address: a's handle for b does not reach c, and c's
+    // messages come from a new handle (the name carries the endpoint's nonce).
+    let p = rdm_pair(ctx)?;
+    let src = region(&p.da, 8, Access::LOCAL_WRITE)?;
+    let dst = recv_region(&p.db, 8)?;
+    p.b.trecv(Source::Any, 1, 0, RecvBuf::whole(dst), 1)
+        .ctx("trecv")?;
+    p.a.tsend(p.ab, 1, src.all(), 1).ctx("tsend")?;
+    ok(&expect_each(&p.a, &[&p.b], &[1], ctx)?[0])?;
+    ok(&expect_each(&p.b, &[&p.a], &[1], ctx)?[0])?;
+    let addr = p.b.addr();
+    let a = p.a;
+    let da = p.da;
+    drop(p.b);
+    // The listener's port may take a moment to be free again.
+    let deadline = Instant::now() + ctx.timeout;
+    let c = loop {
+        let r = RdmEndpoint::new(
+            p.db.clone(),
+            RdmConfig {
+                bind: addr,
+                ..cfg(ctx)
+            },
+        );
+        match r {
+            Ok(c) => break c,
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(format!("binding {addr} again: {e}")),
+        }
+    };
+    // Once a saw b's connection go, sends to b's handle fail and never reach c.
+    let deadline = Instant::now() + ctx.timeout;
+    while a.stats().connections > 0 {
+        ensure!(
+            Instant::now() < deadline,
+            "a never saw b's connection close"
+        );
+        a.progress().ctx("progress")?;
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let cdst = recv_region(&p.db, 8)?;
+    c.trecv(Source::Any, 0, u64::MAX, RecvBuf::whole(cdst), 5)
+        .ctx("trecv")?;
+    match a.tsend(p.ab, 2, src.all(), 2) {
+        Err(e) => ensure!(
+            e.kind() == ErrorKind::ConnectionRefused,
+            "a send to the old endpoint's handle failed with {e}"
+        ),
+        Ok(()) => return Err("a send to the old endpoint's handle was accepted".into()),
+    }
+    let got = idle(&c, &a, Duration::from_millis(100))?;
+    ensure!(
+        got.is_empty(),
+        "the new endpoint received what was sent to the old one: {got:?}"
+    );
+    // c's own message reaches a from a handle that is not b's.
+    let back = recv_region(&da, 8)?;
+    a.trecv(Source::Any, 3, 0, RecvBuf::whole(back), 30)
+        .ctx("trecv")?;
+    let ca = c.av_insert_name(&a.name()).ctx("insert")?;
+    let s2 = region(&p.db, 8, Access::LOCAL_WRITE)?;
+    c.tsend(ca, 3, s2.all(), 3).ctx("tsend")?;
+    let r = expect_each(&a, &[&c], &[30], ctx)?.remove(0);
+    ok(&r)?;
+    ensure!(
+        r.peer.is_some() && r.peer != Some(p.ab),
+        "c's message came from {:?}, b's handle is {:?}",
+        r.peer,
+        p.ab
+    );
     Ok(())
 }
 
