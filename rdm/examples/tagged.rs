@@ -1,10 +1,10 @@
 //! The README's middleware example: `cargo run -p fabric-rdm --example tagged -- server`,
 //! then `... -- client` in another shell.
 
-use std::sync::Arc;
-use std::time::Duration;
 use fabric::prelude::*;
 use fabric_rdm::{RdmConfig, RdmEndpoint, RecvBuf, Source};
+use std::sync::Arc;
+use std::time::Duration;
 
 fn main() -> fabric::Result<()> {
     let (domain, report) = fabric::Selector::from_env()?.open()?;
@@ -18,7 +18,10 @@ fn main() -> fabric::Result<()> {
         // Any source, tags 0x100..=0x1ff.
         ep.trecv(Source::Any, 0x100, 0xff, RecvBuf::whole(buf.clone()), 1)?;
         let c = ep.next_completion(Duration::from_secs(60))?;
-        println!("{:?}: {} bytes, tag {:#x}, from {:?}", c.status, c.len, c.tag, c.peer);
+        println!(
+            "{:?}: {} bytes, tag {:#x}, from {:?}",
+            c.status, c.len, c.tag, c.peer
+        );
         // Answer the sender by the handle the message came with.
         let reply = domain.alloc(8, Access::LOCAL_WRITE)?;
         ep.tsend(c.peer.expect("source"), 0x200, reply.all(), 2)?;
