@@ -31,6 +31,11 @@ pub mod area {
     pub const CLOSED: usize = 8;
     /// Sink of the owner's delivery reads.
     pub const SCRATCH: usize = 16;
+    /// Non-zero once the peer announced that it is of this framework although its
+    /// connection request carried no frame (the tcp provider, as the initiator, writes it
+    /// first thing when the reply's frame names the iwarp provider's area): it answers
+    /// zero-length RDMA Reads correctly, which a foreign iWARP stack may not.
+    pub const HELLO: usize = 24;
     /// Size of the area.
     pub const LEN: usize = 64;
 }

@@ -56,6 +56,18 @@
 //!   oldest outstanding operation completes `RetryExceeded`, the rest `Flushed`, the
 //!   endpoint enters `Error` and its queue pair is destroyed. See the fabric-verbs crate
 //!   docs for what counts as a sign of life and the exact bound.
+//! * **Foreign iWARP peers** (rdma-core's `rping`, any verbs application: connection
+//!   private data without this framework's frame, and no hello mark from the tcp provider
+//!   within a second): no credits, no delivery-complete sends and writes and no dead-peer
+//!   probes, because all of those would need zero-length RDMA Reads, which siw answers with
+//!   a stale length (`siw: rresp len: 64 != 0`, then a Terminate). When such a peer
+//!   connects, the provider posts four early receives (64 KiB each) before it accepts:
+//!   the peer may send before the application could post a receive (rping's client does),
+//!   and the application's first receives are completed from them by a copy.
+//! * **Small page crossings** (siw, Linux 6.1 `siw_try_1seg`): a payload of at most 32
+//!   bytes from registered memory that crosses a page boundary is garbled (always for Read
+//!   Responses). Such reads are split at the remote page boundary, such writes at the local
+//!   one, and such sends go inline.
 //! * **Graceful close versus failure**: siw reports both as a closed connection. A closing
 //!   endpoint writes a close mark into the peer's credit area first, so the peer reports
 //!   `Disconnected` for a close and `Error` for anything else.
@@ -225,6 +237,7 @@ impl Flavor for Iwarp {
             length_as_malformed_wqe: false,
             read_protection,
             liveness_probes: true,
+            small_page_crossing: dev.vendor_id == SIW_VENDOR_ID,
             unsupported,
             emulated,
         }

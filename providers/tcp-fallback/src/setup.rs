@@ -45,6 +45,10 @@ fn read_frame(sock: &mut TcpStream, reply: bool) -> Result<MpaFrame> {
     Ok(frame)
 }
 
+/// Largest application private data a reply to this framework's iwarp provider frames
+/// (the frame's length byte; the iwarp provider accepts no more anyway).
+const FRAMED_MAX: usize = 200;
+
 fn user_pd_check(pd: &[u8]) -> Result<()> {
     if pd.len() > crate::MAX_PRIVATE_DATA as usize {
         return Err(Error::invalid(format!(
@@ -125,6 +129,7 @@ pub(crate) fn initiate(
         peer_private,
         expect_send_rtr: false,
         peer_area,
+        initiator: true,
     })
 }
 
@@ -207,6 +212,16 @@ pub(crate) fn respond(
     } else {
         None
     };
+    // A request from this framework's iwarp provider (its frame names its credit area):
+    // answer with a frame too, naming no credit area (we take no credits), so that it
+    // knows we answer zero-length RDMA Reads (delivery reads, liveness probes), which it
+    // sends no foreign iWARP stack.
+    let user = match peer_area {
+        Some(_) if private_data.len() <= FRAMED_MAX => {
+            pdata::frame(private_data, Some(pdata::AreaDesc { addr: 0, stag: 0 }))
+        }
+        _ => private_data.to_vec(),
+    };
     // Answer in kind: the IRD/ORD block (and the E bit) only when the request had them.
     let rep = MpaFrame {
         reply: true,
@@ -219,7 +234,7 @@ pub(crate) fn respond(
         private_data: Setup {
             enhanced,
             ext,
-            user: private_data.to_vec(),
+            user,
         }
         .encode(),
     };
@@ -233,5 +248,6 @@ pub(crate) fn respond(
         peer_private,
         expect_send_rtr,
         peer_area,
+        initiator: false,
     })
 }

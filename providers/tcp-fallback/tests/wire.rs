@@ -613,6 +613,8 @@ fn graceful_close_writes_the_close_mark_into_an_iwarp_provider_peer() {
     let (_srv, ep, mut raw) =
         connected_raw_with(false, &fabric_api::pdata::frame(b"app", Some(area)));
     assert_eq!(ep.peer_private_data(), b"app");
+    // As the acceptor: no hello mark and no filler sends (the reply's frame told the peer
+    // who we are; an MPA responder must not send before the initiator's first FPDU).
     drop(ep);
     let (h, payload) = read_fpdu(&mut raw);
     match h {

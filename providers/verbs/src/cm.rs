@@ -354,6 +354,7 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
     let mut next_watch = Instant::now();
     let mut emu_delay = crate::emu::POLL_MIN;
     let mut next_serve = Instant::now();
+    let mut last_busy = Instant::now();
     loop {
         let (batch, watch, serve) = {
             let mut l = s.lists.lock().expect("rnr poisoned");
@@ -362,7 +363,8 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
                     return;
                 }
                 if s.hurry.swap(false, Ordering::AcqRel) {
-                    emu_delay = crate::emu::POLL_MIN;
+                    emu_delay = Duration::ZERO;
+                    last_busy = Instant::now();
                     next_serve = Instant::now();
                 }
                 let watching = tick.is_some() && !l.watched.is_empty();
@@ -419,13 +421,20 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
                     })
                 })
                 .collect();
-            emu_delay = if busy {
-                crate::emu::POLL_MIN
+            if busy {
+                last_busy = Instant::now();
+            }
+            // Spin (yielding) while atomics flow and a little after; then back off.
+            emu_delay = if last_busy.elapsed() < crate::emu::SPIN {
+                Duration::ZERO
             } else {
-                (emu_delay * 2).min(crate::emu::POLL_MAX)
+                (emu_delay * 2).clamp(crate::emu::POLL_MIN, crate::emu::POLL_MAX)
             };
             next_serve = Instant::now() + emu_delay;
             s.lists.lock().expect("rnr poisoned").served.extend(keep);
+            if emu_delay.is_zero() {
+                std::thread::yield_now();
+            }
         }
         // No list lock is held while endpoints run (they take queue and endpoint locks).
         if !batch.is_empty() {

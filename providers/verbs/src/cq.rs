@@ -16,6 +16,9 @@ use crate::ffi::{self, EventFd, HwCq, Wc};
 use crate::sync::{AtomicUsize, Ordering, Rank, Ranked, RankedGuard};
 use crate::Flavor;
 
+/// Early-receive completions kept for endpoints not registered yet, at most.
+const ORPHANS: usize = 256;
+
 /// A device completion queue as the core drains it.
 pub(crate) trait DeviceQueue: Send + Sync {
     /// Takes up to `out.len()` completions; returns how many.
@@ -42,6 +45,9 @@ pub(crate) struct CqState<E = EpCore> {
     pub ready: VecDeque<Completion>,
     /// Endpoints whose queue pairs report into this queue, by QP number.
     pub qps: HashMap<u32, Arc<E>>,
+    /// Completions of early receives (posted before an accept, see `ep::EarlyRing`) of a
+    /// queue pair whose endpoint is not registered yet: handed to it when it is.
+    pub orphans: Vec<Wc>,
 }
 
 impl<E> Default for CqState<E> {
@@ -49,6 +55,7 @@ impl<E> Default for CqState<E> {
         CqState {
             ready: VecDeque::new(),
             qps: HashMap::new(),
+            orphans: Vec::new(),
         }
     }
 }
@@ -223,6 +230,9 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
             for wc in &wcs[..n] {
                 match st.qps.get(&wc.qp_num).cloned() {
                     Some(ep) => ep.on_completion(self, st, wc),
+                    None if crate::ep::is_early(wc.wr_id) && st.orphans.len() < ORPHANS => {
+                        st.orphans.push(*wc)
+                    }
                     None => tracing::debug!(
                         qp = wc.qp_num,
                         "completion of a destroyed queue pair dropped"

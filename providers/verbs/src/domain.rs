@@ -19,7 +19,7 @@ use crate::cm::{self, Cm, Mailbox, Rnr, Target};
 use crate::cq::{CqInner, VerbsCq};
 use crate::device::{self, DeviceFacts};
 use crate::emu::{self, AtomicKeys, ExtDesc};
-use crate::ep::{CreditArea, EmuLink, EpCore, EpParts, VerbsEndpoint};
+use crate::ep::{CreditArea, EarlyRing, EmuLink, EpCore, EpParts, VerbsEndpoint};
 use crate::ffi::{self, access, cm_event, CmEvent, CmId, ConnParam, Ctx, HwCq, Mr, Pd, QpCaps};
 use crate::{Flavor, Profile, Selection, Transport, VerbsOptions};
 
@@ -149,10 +149,16 @@ fn pieces(dev: &DeviceFacts, p: &Profile) -> usize {
     } else {
         1
     };
+    // Small page-crossing reads and writes are split in two (see the profile).
+    let reads = if p.small_page_crossing {
+        reads * 2
+    } else {
+        reads
+    };
     let writes = if p.delivery_reads { 2 } else { 1 };
-    // An emulated write with immediate: the write, the immediate's record, a zero-length
-    // send, the delivery read.
-    let emulated = if p.emulate { 4 } else { 1 };
+    // An emulated write with immediate: the write (two where a small page crossing is
+    // split), the immediate's record, a zero-length send, the delivery read.
+    let emulated = if p.emulate { 5 } else { 1 };
     reads.max(writes).max(emulated)
 }
 
@@ -358,7 +364,13 @@ impl DomainInner {
 
     fn unframe(&self, raw: &[u8]) -> Result<(Vec<u8>, Option<PeerArea>)> {
         let (app, area) = pdata::unframe(raw, self.profile.credits)?;
-        Ok((app, area.map(|a| (a.addr, a.stag))))
+        // A frame naming no area (address and key 0) comes from a peer of this framework
+        // that takes no credits (the tcp provider answering us).
+        Ok((
+            app,
+            area.filter(|a| a.addr != 0 || a.stag != 0)
+                .map(|a| (a.addr, a.stag)),
+        ))
     }
 
     /// Sets the profile's local ACK timeout on a connection identifier (before route
@@ -383,9 +395,15 @@ impl DomainInner {
         } else {
             0
         };
+        // Room for the early receives of a connection from a foreign peer (iWARP).
+        let early = if self.profile.credits {
+            EarlyRing::SLOTS as u32
+        } else {
+            0
+        };
         QpCaps {
             send_wr: (sq * pieces + extra).min(self.dev.max_qp_wr),
-            recv_wr: rq,
+            recv_wr: (rq + early).min(self.dev.max_qp_wr),
             send_sge: self.dev.max_sge,
             recv_sge: self.dev.max_sge,
             inline: self.limits.max_inline,
@@ -499,7 +517,7 @@ impl<F: Flavor> VerbsDomain<F> {
         cfg: &EndpointConfig<'_, VerbsCq<F>>,
         peer_private: Vec<u8>,
         (credit, sink): CreditPair,
-        (emu, foreign): (Option<EmuLink>, bool),
+        (emu, foreign, early): (Option<EmuLink>, bool, Option<EarlyRing>),
         hw_sq_cap: usize,
     ) -> VerbsEndpoint<F> {
         let core = EpCore::new(EpParts {
@@ -515,6 +533,7 @@ impl<F: Flavor> VerbsDomain<F> {
             sink,
             emu,
             foreign,
+            early,
         });
         VerbsEndpoint {
             core,
@@ -1008,8 +1027,10 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
             }
         };
         let peer_ext = ExtDesc::find(&ev.private_data, peer_private.len());
-        let foreign = ev.private_data.first() != Some(&pdata::MAGIC);
+        let unframed = ev.private_data.first() != Some(&pdata::MAGIC);
         let (credit, sink) = CreditArea::pair(credit, peer_credit);
+        // The tcp provider answers our frame with one: a reply without is a foreign stack.
+        let foreign = unframed;
         let emu = EmuLink::pair(emu_local, peer_ext, credit.is_some());
         let id = guard.id.take().expect("still held");
         let ep = self.endpoint(
@@ -1017,7 +1038,7 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
             cfg,
             peer_private,
             (credit, sink),
-            (emu, foreign),
+            (emu, foreign, None),
             hw_sq_cap,
         );
         self.go_live(&ep, &mb);
@@ -1086,14 +1107,21 @@ impl<F: Flavor> spi::Listener for VerbsListener<F> {
             };
             let peer_ext = ExtDesc::find(&ev.private_data, peer_private.len());
             let foreign = ev.private_data.first() != Some(&pdata::MAGIC);
-            match self.finish_accept(&mut id, cfg, &ev, peer_credit, peer_ext) {
-                Ok((mb, (credit, sink), emu, hw_sq_cap)) => {
+            match self.finish_accept(&mut id, cfg, &ev, peer_credit, (peer_ext, foreign)) {
+                Ok((mb, (credit, sink), (emu, mut early), hw_sq_cap)) => {
+                    // A peer without our frame that wrote its hello mark is this
+                    // framework's tcp provider, not a foreign stack.
+                    let foreign = foreign
+                        && !CreditArea::hello(sink.as_ref(), &cfg.recv_cq.inner, id.qp_num());
+                    if let Some(e) = early.as_mut() {
+                        e.fillers = !foreign;
+                    }
                     let ep = self.dom.endpoint(
                         id,
                         cfg,
                         peer_private,
                         (credit, sink),
-                        (emu, foreign),
+                        (emu, foreign, early),
                         hw_sq_cap,
                     );
                     self.dom.go_live(&ep, &mb);
@@ -1119,6 +1147,8 @@ impl<F: Flavor> spi::Listener for VerbsListener<F> {
 
 /// The endpoint's credit area, or (a foreign peer) our own area as a read sink.
 type CreditPair = (Option<CreditArea>, Option<(Arc<Buffer>, Mr)>);
+/// The emulation link and the early receives of an accepted endpoint.
+type AcceptExtras = (Option<EmuLink>, Option<EarlyRing>);
 
 impl<F: Flavor> VerbsListener<F> {
     fn finish_accept(
@@ -1127,8 +1157,8 @@ impl<F: Flavor> VerbsListener<F> {
         cfg: &EndpointConfig<'_, VerbsCq<F>>,
         req: &CmEvent,
         peer_credit: Option<(u64, u32)>,
-        peer_ext: Option<ExtDesc>,
-    ) -> Result<(Arc<Mailbox>, CreditPair, Option<EmuLink>, usize)> {
+        (peer_ext, foreign): (Option<ExtDesc>, bool),
+    ) -> Result<(Arc<Mailbox>, CreditPair, AcceptExtras, usize)> {
         let d = &self.dom.inner;
         let mb = Arc::new(Mailbox::default());
         d.cm.register(id.key(), Target::Mailbox(mb.clone()));
@@ -1137,26 +1167,54 @@ impl<F: Flavor> VerbsListener<F> {
         let credit = self.dom.credit_area()?;
         let emu_local = self.dom.emu_area(cfg.rq_depth)?;
         let private = d.frame(cfg.private_data, credit.as_ref(), emu_local.as_ref());
+        // A foreign iWARP peer may send before our application can post a receive.
+        let early = if foreign && d.profile.credits {
+            if cfg.recv_cq.inner.reserve_internal(EarlyRing::SLOTS) {
+                match EarlyRing::post(d, id) {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        cfg.recv_cq.inner.release_internal(EarlyRing::SLOTS);
+                        return Err(e);
+                    }
+                }
+            } else {
+                tracing::warn!("no completion-queue room for early receives: a foreign peer sending at once breaks the connection");
+                None
+            }
+        } else {
+            None
+        };
         let rd = d.rd_atom();
-        id.accept(&ConnParam {
-            private_data: &private,
-            responder_resources: rd.min(req.initiator_depth),
-            initiator_depth: rd.min(req.responder_resources),
-            retry_count: d.profile.retry,
-            rnr_retry_count: d.profile.rnr_retry,
-        })?;
-        let peer = self.local;
-        expect(
-            &mb,
-            Instant::now() + cfg.timeout,
-            cm_event::RDMA_CM_EVENT_ESTABLISHED,
-            peer,
-            "accepting a connection",
-            cfg.timeout,
-        )?;
+        let established = id
+            .accept(&ConnParam {
+                private_data: &private,
+                responder_resources: rd.min(req.initiator_depth),
+                initiator_depth: rd.min(req.responder_resources),
+                retry_count: d.profile.retry,
+                rnr_retry_count: d.profile.rnr_retry,
+            })
+            .map_err(Error::from)
+            .and_then(|()| {
+                expect(
+                    &mb,
+                    Instant::now() + cfg.timeout,
+                    cm_event::RDMA_CM_EVENT_ESTABLISHED,
+                    self.local,
+                    "accepting a connection",
+                    cfg.timeout,
+                )
+            });
+        if let Err(e) = established {
+            if early.is_some() {
+                // The queue pair is reaped with the identifier: its early receives never
+                // reach an endpoint.
+                cfg.recv_cq.inner.release_internal(EarlyRing::SLOTS);
+            }
+            return Err(e);
+        }
         let (credit, sink) = CreditArea::pair(credit, peer_credit);
         let emu = EmuLink::pair(emu_local, peer_ext, credit.is_some());
-        Ok((mb, (credit, sink), emu, hw_sq_cap))
+        Ok((mb, (credit, sink), (emu, early), hw_sq_cap))
     }
 }
 
@@ -1258,6 +1316,7 @@ mod tests {
             length_as_malformed_wqe: false,
             read_protection: false,
             liveness_probes: true,
+            small_page_crossing: false,
             unsupported: BTreeMap::new(),
             emulated: Vec::new(),
         };

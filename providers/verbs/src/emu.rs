@@ -29,8 +29,8 @@
 //! The initiator writes the request into the target's request slot (one inline RDMA
 //! Write). The target's provider, not its application, executes it: the domain's helper
 //! thread (the one that already retries held sends and probes dead peers) polls the request
-//! slots of the domain's emulating endpoints, adaptively (quickly while atomics flow,
-//! backing off to [`POLL_MAX`] when idle), checks the key (a region registered with
+//! slots of the domain's emulating endpoints, adaptively (without sleeping while atomics
+//! flow and for [`SPIN`] after, then backing off to [`POLL_MAX`] when idle), checks the key (a region registered with
 //! REMOTE_ATOMIC in that domain), the bounds and the alignment, and runs the operation with
 //! the same `AtomicU64` on the same 8-byte word that every framework atomic on the word
 //! uses (`Buffer::atomic_u64`), so it is atomic with respect to all of them. It writes the
@@ -99,6 +99,10 @@ pub(crate) const NEEDS_INLINE: u32 = REQ_LEN as u32;
 
 /// The helper thread's quickest poll of the emulation areas (while atomics flow).
 pub(crate) const POLL_MIN: Duration = Duration::from_micros(20);
+/// How long the helper thread keeps polling the emulation areas without sleeping (it
+/// yields between passes) after the last sign of an atomic in flight: a sleep on a timer
+/// costs a millisecond or more on a loaded or emulated machine, more than the atomic.
+pub(crate) const SPIN: Duration = Duration::from_millis(1);
 /// The helper thread's slowest poll of the emulation areas (idle): the latency an atomic
 /// arriving at an idle target waits at most before it is executed.
 pub(crate) const POLL_MAX: Duration = Duration::from_millis(2);

@@ -33,6 +33,81 @@ use crate::{Flavor, Transport};
 
 /// Receive requests carry this bit in their `wr_id`.
 const RECV_BIT: u64 = 1 << 63;
+/// Early receives (see [`EarlyRing`]) carry this bit too, and their slot number.
+const EARLY_BIT: u64 = 1 << 62;
+
+/// True for the `wr_id` of an early receive.
+pub(crate) fn is_early(wr_id: u64) -> bool {
+    wr_id & (RECV_BIT | EARLY_BIT) == RECV_BIT | EARLY_BIT
+}
+
+/// Receives the provider posts before it accepts a connection from a foreign iWARP peer:
+/// such a peer (rdma-core's `rping`, any verbs application) may send as soon as the
+/// connection is up, before the application here could post a receive (it has no
+/// endpoint before `accept` returns), and an iWARP Send that finds no receive is fatal
+/// (DDP "no buffer" Terminate). The first [`EarlyRing::SLOTS`] messages land in these
+/// buffers; the application's first receives are matched to them in order and completed
+/// with a copy; later receives go to the device as usual. A message longer than a slot
+/// ([`EarlyRing::SLOT_LEN`]) completes `LocalLength`. Peers of this framework need none:
+/// they send only against credits.
+#[derive(Debug)]
+pub(crate) struct EarlyRing {
+    buf: Arc<Buffer>,
+    _mr: Mr,
+    /// The peer is this framework's tcp provider (it wrote its hello mark): it consumes
+    /// the early receives with zero-length filler sends, which are dropped, and the
+    /// application's receives go to the device from the first.
+    pub fillers: bool,
+}
+
+impl EarlyRing {
+    /// Early receives per connection.
+    pub const SLOTS: usize = 4;
+    /// Bytes per early receive.
+    pub const SLOT_LEN: usize = 64 << 10;
+
+    /// Registers the ring and posts its receives on a queue pair not yet connected.
+    pub fn post(dom: &DomainInner, id: &CmId) -> Result<EarlyRing> {
+        let buf = Arc::new(Buffer::new(Self::SLOTS * Self::SLOT_LEN));
+        let mr = dom.register_raw(&buf, ffi::access::LOCAL_WRITE)?;
+        for j in 0..Self::SLOTS {
+            let sge = Sge {
+                addr: buf.addr() + (j * Self::SLOT_LEN) as u64,
+                len: Self::SLOT_LEN as u32,
+                lkey: mr.lkey(),
+            };
+            // SAFETY: the entry names the ring, registered LOCAL_WRITE in this domain; the
+            // ring lives in the endpoint (or is dropped after the identifier when the
+            // accept fails), which destroys the queue pair before it.
+            #[allow(unsafe_code)]
+            unsafe { id.post_recv(RECV_BIT | EARLY_BIT | j as u64, std::slice::from_ref(&sge)) }
+                .map_err(|e| post_error(&e))?;
+        }
+        Ok(EarlyRing {
+            buf,
+            _mr: mr,
+            fillers: false,
+        })
+    }
+}
+
+/// An error completion: the neutral kind and the provider's code.
+type WcError = (ErrorKind, Option<ProviderCode>);
+
+/// The application's receive matched to an early receive: context, and where to copy.
+type EarlyApp = (u64, Vec<(RegionRef, usize, usize)>);
+
+/// How long an accept waits for the hello mark of a peer whose request had no frame of
+/// this framework and that sends nothing (see [`CreditArea::hello`]).
+pub(crate) const HELLO_WAIT: Duration = Duration::from_secs(5);
+
+/// An early receive's state: the message that landed (length, error), and the
+/// application's receive matched to it.
+#[derive(Debug, Default)]
+struct EarlySlot {
+    done: Option<(u32, Option<WcError>)>,
+    app: Option<EarlyApp>,
+}
 
 /// A word of one of our credit areas, written by the peer's device.
 fn area_word(buf: &Buffer, off: usize) -> u64 {
@@ -91,9 +166,41 @@ impl CreditArea {
             (Some((buf, mr)), Some(peer)) => (Some(CreditArea { buf, mr, peer }), None),
             (None, _) => (None, None),
             (Some(local), None) => {
-                tracing::warn!("peer is not of this framework (no credit area): no credit flow control on this connection; delivery reads of zero length");
+                tracing::warn!("peer has no credit area (not this framework's iwarp provider): no credit flow control on this connection");
                 (None, Some(local))
             }
+        }
+    }
+
+    /// After accepting a peer whose request had no frame of this framework: true when it
+    /// wrote the hello mark into our area (`sink`), as this framework's tcp provider does
+    /// first thing (it read our reply's frame), before its filler sends; false for a
+    /// foreign iWARP stack. Decided by whichever comes first: the mark, a message in an
+    /// early receive of queue pair `qpn` without the mark (RDMAP places the mark before a
+    /// later send completes, so a message without it is from a foreign peer), or
+    /// [`HELLO_WAIT`] of silence. Drains `recv_cq` (no endpoint lock may be held): early
+    /// completions of the not yet registered queue pair are kept as orphans.
+    pub fn hello(sink: Option<&(Arc<Buffer>, Mr)>, recv_cq: &CqInner, qpn: u32) -> bool {
+        let Some((buf, _)) = sink else {
+            return false;
+        };
+        let deadline = Instant::now() + HELLO_WAIT;
+        loop {
+            if area_word(buf, credit::HELLO) != 0 {
+                return true;
+            }
+            let sent = {
+                let mut cst = recv_cq.lock();
+                recv_cq.drain(&mut cst);
+                cst.orphans.iter().any(|w| w.qp_num == qpn)
+            };
+            if sent {
+                return area_word(buf, credit::HELLO) != 0;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 
@@ -141,12 +248,22 @@ impl EmuLink {
         let (buf, mr, slots) = local?;
         let all = emu::FLAG_ATOMICS | emu::FLAG_IMMEDIATE;
         match peer {
-            Some(p) if credits && p.flags & all == all => Some(EmuLink {
-                buf,
-                _mr: mr,
-                slots,
-                peer: p,
-            }),
+            Some(p) if credits && p.flags & all == all => {
+                tracing::debug!(
+                    local = buf.addr(),
+                    len = buf.len(),
+                    peer = p.addr,
+                    peer_stag = p.stag,
+                    slots = p.imm_slots,
+                    "emulation of atomics and immediate data on"
+                );
+                Some(EmuLink {
+                    buf,
+                    _mr: mr,
+                    slots,
+                    peer: p,
+                })
+            }
             _ => {
                 tracing::debug!("the peer offers no emulation of atomics and immediate data: neither is available on this connection");
                 None
@@ -283,6 +400,10 @@ struct Ledger {
     recvs_done: u64,
     /// A refused emulated atomic: disconnect once this reply record completed.
     kill_after: Option<u64>,
+    /// Early receives (foreign peers) and how many application receives were matched to
+    /// them.
+    early: Vec<EarlySlot>,
+    early_matched: usize,
 }
 
 /// The shared core of an endpoint.
@@ -310,6 +431,8 @@ pub(crate) struct EpCore {
     /// `siw_init_rresp` leaves the transmit work's byte count of the previous operation;
     /// seen as `siw: rresp len: 64 != 0` and a Terminate), which kills the connection.
     foreign: bool,
+    /// Receives posted before the accept (a foreign peer may send at once).
+    early: Option<EarlyRing>,
     /// The ledger. Ranks after completion-queue locks (see [`crate::sync`]): code holding
     /// it never takes a completion queue's lock.
     st: Ranked<Ledger>,
@@ -351,6 +474,80 @@ struct Plan {
     holds: Vec<RegionRef>,
 }
 
+/// Page size of the registered-memory layout that [`Profile::small_page_crossing`] is about.
+const PAGE: u64 = 4096;
+/// Largest payload siw copies into its packet header directly (`MAX_HDR_INLINE` in Linux
+/// 6.1 `siw_qp_tx.c`: 32 bytes), the copy that garbles a page crossing.
+const SMALL_PAYLOAD: u32 = 32;
+
+/// Works around a device that garbles a payload of at most [`SMALL_PAYLOAD`] bytes
+/// from registered memory when it crosses a page boundary
+/// ([`Profile::small_page_crossing`]): such a read is split at the remote page
+/// boundary, such a write at the local one, and such a send goes inline (a copy).
+fn avoid_small_page_crossing(
+    wrs: Vec<(HwWr, Option<EmuRec>)>,
+    copy: impl Fn(&Sge) -> Result<Vec<u8>>,
+) -> Result<Vec<(HwWr, Option<EmuRec>)>> {
+    let crosses = |addr: u64, len: u32| {
+        len > 0 && len <= SMALL_PAYLOAD && (addr % PAGE) + u64::from(len) > PAGE
+    };
+    let mut out = Vec::with_capacity(wrs.len());
+    for (w, e) in wrs {
+        let single = w.inline.is_none() && w.sges.len() == 1 && e.is_none();
+        match w.op {
+            HwOp::Read { addr, rkey } if single && crosses(addr, w.sges[0].len) => {
+                let first = (PAGE - addr % PAGE) as u32;
+                let s = w.sges[0];
+                let mut a = w.clone();
+                a.sges = vec![Sge { len: first, ..s }];
+                let mut b = w;
+                b.op = HwOp::Read {
+                    addr: addr + u64::from(first),
+                    rkey,
+                };
+                b.sges = vec![Sge {
+                    addr: s.addr + u64::from(first),
+                    len: s.len - first,
+                    lkey: s.lkey,
+                }];
+                out.push((a, None));
+                out.push((b, None));
+            }
+            HwOp::Write {
+                addr,
+                rkey,
+                imm: None,
+            } if single && crosses(w.sges[0].addr, w.sges[0].len) => {
+                let s = w.sges[0];
+                let first = (PAGE - s.addr % PAGE) as u32;
+                let mut a = w.clone();
+                a.sges = vec![Sge { len: first, ..s }];
+                let mut b = w;
+                b.fence = false;
+                b.op = HwOp::Write {
+                    addr: addr.wrapping_add(u64::from(first)),
+                    rkey,
+                    imm: None,
+                };
+                b.sges = vec![Sge {
+                    addr: s.addr + u64::from(first),
+                    len: s.len - first,
+                    lkey: s.lkey,
+                }];
+                out.push((a, None));
+                out.push((b, None));
+            }
+            HwOp::Send { .. } if single && crosses(w.sges[0].addr, w.sges[0].len) => {
+                let mut w = w;
+                w.inline = Some(copy(&w.sges[0])?);
+                out.push((w, None));
+            }
+            _ => out.push((w, e)),
+        }
+    }
+    Ok(out)
+}
+
 /// A provider-internal inline write into the peer's emulation area: address and payload
 /// are filled in when its group goes to the device (`EpCore::post_next_group`).
 fn emu_write(fence: bool) -> HwWr {
@@ -381,11 +578,22 @@ pub(crate) struct EpParts {
     pub sink: Option<(Arc<Buffer>, Mr)>,
     pub emu: Option<EmuLink>,
     pub foreign: bool,
+    pub early: Option<EarlyRing>,
 }
 
 impl EpCore {
     pub fn new(p: EpParts) -> Arc<EpCore> {
         let qpn = p.id.qp_num();
+        let early_slots = if p.early.is_some() {
+            EarlyRing::SLOTS
+        } else {
+            0
+        };
+        let early_matched = if p.early.as_ref().is_some_and(|e| e.fillers) {
+            EarlyRing::SLOTS
+        } else {
+            0
+        };
         let local =
             p.id.local_addr()
                 .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
@@ -408,6 +616,7 @@ impl EpCore {
             sink: p.sink,
             emu: p.emu,
             foreign: p.foreign,
+            early: p.early,
             st: Ranked::new(
                 Rank::Endpoint,
                 Ledger {
@@ -437,12 +646,28 @@ impl EpCore {
                     amo_served: 0,
                     recvs_done: 0,
                     kill_after: None,
+                    early: (0..early_slots).map(|_| EarlySlot::default()).collect(),
+                    early_matched,
                 },
             ),
         });
         core.send_cq.lock().qps.insert(qpn, core.clone());
         if !Arc::ptr_eq(&core.send_cq, &core.recv_cq) {
             core.recv_cq.lock().qps.insert(qpn, core.clone());
+        }
+        if core.early.is_some() {
+            // Early receives that completed before the endpoint was registered.
+            let mut cst = core.recv_cq.lock();
+            let mine: Vec<Wc> = cst
+                .orphans
+                .iter()
+                .filter(|w| w.qp_num == qpn)
+                .copied()
+                .collect();
+            cst.orphans.retain(|w| w.qp_num != qpn);
+            for w in mine {
+                core.handle_completion(&core.recv_cq, &mut cst, &w);
+            }
         }
         if core.dom.dead_peer.is_some() && !core.foreign {
             core.dom.rnr.watch(Arc::downgrade(&core));
@@ -796,6 +1021,13 @@ impl EpCore {
                 (vec![(hw(op, sges, None), None)], holds, 8)
             }
         };
+        let wrs = if p.small_page_crossing {
+            avoid_small_page_crossing(wrs, |s| {
+                self.inline_copy(std::slice::from_ref(s), &holds, u64::from(s.len))
+            })?
+        } else {
+            wrs
+        };
         let mut wrs: Vec<(HwWr, bool, Option<EmuRec>)> = wrs
             .into_iter()
             .map(|(w, e)| {
@@ -975,6 +1207,7 @@ impl EpCore {
             if r.is_send {
                 sends_before += 1;
             }
+            tracing::trace!(qp = self.qpn, seq = w.wr_id, op = ?w.op, sges = ?w.sges, fence = w.fence, "posting");
             wrs.push(w);
         }
         // SAFETY: every entry names memory registered in this domain and held by the
@@ -1357,6 +1590,13 @@ impl EpCore {
         l.user_sq -= 1;
         match (reply.result, &r.emu) {
             (Ok(old), Some(EmuRec::Amo(a))) => {
+                tracing::trace!(
+                    qp = self.qpn,
+                    seq = reply.seq,
+                    old,
+                    result = a.result.buffer().addr() + a.off as u64,
+                    "emulated atomic completed"
+                );
                 a.result.buffer().write(a.off, &old.to_ne_bytes());
                 self.push_user(&self.send_cq, &mut cst, u, None);
             }
@@ -1455,8 +1695,85 @@ impl EpCore {
         }
     }
 
+    /// Completes the application's receive matched to early receive `j` once both the
+    /// message and the receive are there: a copy of the message (receive CQ's lock held).
+    fn finish_early(&self, l: &mut Ledger, cst: &mut CqState, j: usize) {
+        let Some(slot) = l.early.get_mut(j) else {
+            return;
+        };
+        let (Some((len, err)), Some(_)) = (slot.done, &slot.app) else {
+            return;
+        };
+        let (context, targets) = slot.app.take().expect("checked");
+        let ring = self.early.as_ref().expect("early slots come with the ring");
+        let room: usize = targets.iter().map(|t| t.2).sum();
+        let mut status = err;
+        if status.is_none() && len as usize > room {
+            status = Some((ErrorKind::LocalLength, None));
+            if l.status == EndpointState::Connected {
+                l.status = EndpointState::Error;
+            }
+        }
+        if status.is_none() {
+            let mut at = j * EarlyRing::SLOT_LEN;
+            let mut left = len as usize;
+            for (r, off, n) in &targets {
+                let take = left.min(*n);
+                if take == 0 {
+                    break;
+                }
+                r.buffer().write(*off, &ring.buf.to_vec(at, take));
+                at += take;
+                left -= take;
+            }
+        }
+        l.recvs_done += 1;
+        cst.ready.push_back(Completion {
+            context,
+            opcode: Opcode::Recv,
+            status: status.map_or(Status::Success, |e| Status::Error(e.0)),
+            provider_code: status.and_then(|e| e.1),
+            byte_len: if status.is_none() { u64::from(len) } else { 0 },
+            imm: None,
+        });
+        self.recv_cq.notify();
+    }
+
     pub fn post_recv(self: &Arc<Self>, wr: &RecvWr<'_>) -> Result<()> {
         let (sges, holds, _) = self.sges(wr.sgl, Access::LOCAL_WRITE)?;
+        if self.early.is_some() {
+            let l = self.lock();
+            if l.early_matched < l.early.len() {
+                if l.status != EndpointState::Connected || l.torn_down {
+                    return Err(invalid_state(l.status));
+                }
+                drop(l);
+                self.recv_cq.reserve(0)?;
+                // Matched to the next early receive, in order; completed by a copy.
+                let targets: Vec<(RegionRef, usize, usize)> = wr
+                    .sgl
+                    .iter()
+                    .zip(holds)
+                    .map(|(s, r)| (r, s.offset(), s.len()))
+                    .collect();
+                let mut cst = self.recv_cq.lock();
+                let mut l = self.lock();
+                let j = l.early_matched;
+                if j >= l.early.len() || l.status != EndpointState::Connected || l.torn_down {
+                    drop(l);
+                    drop(cst);
+                    self.recv_cq.release(1);
+                    return Err(Error::new(
+                        ErrorKind::InvalidState,
+                        "endpoint changed while posting a receive",
+                    ));
+                }
+                l.early_matched += 1;
+                l.early[j].app = Some((wr.context, targets));
+                self.finish_early(&mut l, &mut cst, j);
+                return Ok(());
+            }
+        }
         {
             let l = self.lock();
             if l.status != EndpointState::Connected || l.torn_down {
@@ -1633,7 +1950,16 @@ impl EpCore {
             );
             l.status = EndpointState::Error;
         }
-        if w.wr_id & RECV_BIT != 0 {
+        if is_early(w.wr_id) {
+            let j = (w.wr_id & 0xffff) as usize;
+            if let Some(slot) = l.early.get_mut(j) {
+                if slot.done.is_none() {
+                    cq.release_internal(1);
+                    slot.done = Some((w.byte_len, err));
+                }
+            }
+            self.finish_early(&mut l, cst, j);
+        } else if w.wr_id & RECV_BIT != 0 {
             let seq = w.wr_id & !RECV_BIT;
             let Some(pos) = l.rq.iter().position(|r| r.seq == seq) else {
                 tracing::debug!(
@@ -1831,10 +2157,32 @@ impl EpCore {
             return false;
         };
         l.user_sq -= 1;
-        let e = r
+        let mut e = r
             .group_err
             .or(r.failed)
             .unwrap_or((ErrorKind::Flushed, None));
+        if let (Some(EmuRec::Amo(a)), Some(link)) = (&r.emu, &self.emu) {
+            // An emulated atomic whose connection died: its reply may have landed before
+            // the connection ended (the peer refused it and disconnected, as RC hardware
+            // would): report that, not a flush.
+            if a.sent && l.amo_wait == Some(a.seq) {
+                l.amo_wait = None;
+                match AmoReply::read(&link.buf).filter(|x| x.seq == a.seq) {
+                    Some(AmoReply {
+                        result: Ok(old), ..
+                    }) => {
+                        a.result.buffer().write(a.off, &old.to_ne_bytes());
+                        self.push_user(&self.send_cq, cst, u, None);
+                        return true;
+                    }
+                    Some(AmoReply { result: Err(k), .. }) => {
+                        l.attributed = true;
+                        e = (k, None);
+                    }
+                    None => {}
+                }
+            }
+        }
         self.push_user(&self.send_cq, cst, u, Some(e));
         true
     }
@@ -2110,5 +2458,73 @@ impl<F: Flavor> Endpoint for VerbsEndpoint<F> {
 impl<F: Flavor> Drop for VerbsEndpoint<F> {
     fn drop(&mut self) {
         self.core.teardown();
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn wr(op: HwOp, sges: Vec<Sge>) -> (HwWr, Option<EmuRec>) {
+        (
+            HwWr {
+                wr_id: 0,
+                op,
+                sges,
+                inline: None,
+                fence: true,
+            },
+            None,
+        )
+    }
+
+    #[test]
+    fn small_page_crossings_are_split_or_sent_inline_and_nothing_else_changes() {
+        let sge = |addr, len| Sge { addr, len, lkey: 9 };
+        let read = |addr| HwOp::Read { addr, rkey: 5 };
+        let write = |addr| HwOp::Write {
+            addr,
+            rkey: 5,
+            imm: None,
+        };
+        let copy = |s: &Sge| Ok(vec![0xab; s.len as usize]);
+        // A 24-byte read of the peer's [4088, 4112): two reads at the remote boundary,
+        // the sink split to match.
+        let out =
+            avoid_small_page_crossing(vec![wr(read(0x7000 + 4088), vec![sge(0x100, 24)])], copy)
+                .unwrap();
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0].0.op, read(0x7000 + 4088));
+        assert_eq!(out[0].0.sges, vec![sge(0x100, 8)]);
+        assert_eq!(out[1].0.op, read(0x8000));
+        assert_eq!(out[1].0.sges, vec![sge(0x108, 16)]);
+        // A 20-byte write from local [0x1ff8, 0x200c): split at the local boundary, the
+        // second piece unfenced.
+        let out =
+            avoid_small_page_crossing(vec![wr(write(0x50), vec![sge(0x1ff8, 20)])], copy).unwrap();
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0].0.sges, vec![sge(0x1ff8, 8)]);
+        assert_eq!((out[1].0.op, out[1].0.fence), (write(0x58), false));
+        assert_eq!(out[1].0.sges, vec![sge(0x2000, 12)]);
+        // A crossing send goes inline.
+        let out = avoid_small_page_crossing(
+            vec![wr(HwOp::Send { imm: None }, vec![sge(0x2ff0, 32)])],
+            copy,
+        )
+        .unwrap();
+        assert_eq!(out[0].0.inline.as_deref(), Some(&[0xab; 32][..]));
+        // Untouched: larger than 32 bytes, not crossing, several entries, ending exactly at
+        // the boundary.
+        for (op, sges) in [
+            (read(4080), vec![sge(0, 33)]),
+            (read(4064), vec![sge(0, 32)]),
+            (read(4090), vec![sge(0, 3), sge(8, 3)]),
+            (write(0), vec![sge(4064, 32)]),
+        ] {
+            let out = avoid_small_page_crossing(vec![wr(op, sges.clone())], copy).unwrap();
+            assert_eq!(out.len(), 1);
+            assert_eq!((out[0].0.op, &out[0].0.sges), (op, &sges));
+            assert!(out[0].0.inline.is_none());
+        }
     }
 }

@@ -244,6 +244,13 @@ pub struct Profile {
     /// kernel's siw does not: it builds Read Responses with `siw_check_sgl_tx(pd, wqe, 0)`
     /// (siw_qp_tx.c), which checks the key and bounds but no access right.
     pub read_protection: bool,
+    /// The device garbles a payload of at most 32 bytes taken from registered memory when
+    /// it crosses a page boundary: the kernel's siw in Linux 6.1 (`siw_try_1seg` in
+    /// `siw_qp_tx.c` copies the length of the second piece from the first page, then the
+    /// rest from the first page again), for Read Responses always and for writes and sends
+    /// sent from its transmit thread. The core splits such reads at the remote page
+    /// boundary and such writes at the local one, and sends such sends inline.
+    pub small_page_crossing: bool,
     /// Dead-peer detection by the provider (iWARP, whose queue pairs have no ACK timer):
     /// the domain's helper thread watches every endpoint and probes a quiet one with a
     /// delivery read; an endpoint that shows no sign of life within the dead-peer timeout
@@ -322,6 +329,7 @@ impl Profile {
             length_as_malformed_wqe: dev.vendor_id == SOFT_ROCE_VENDOR_ID,
             read_protection: true,
             liveness_probes: false,
+            small_page_crossing: false,
             unsupported,
             emulated: Vec::new(),
         }

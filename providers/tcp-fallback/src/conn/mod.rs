@@ -72,7 +72,17 @@ pub(crate) struct Negotiated {
     /// The credit area of a peer on this framework's iwarp provider (from its private-data
     /// frame): a graceful close writes the close mark there first ([`pdata`]).
     pub peer_area: Option<pdata::AreaDesc>,
+    /// We initiated the connection (a peer on the iwarp provider then has early receives
+    /// posted, which our filler sends consume: see [`EARLY_FILLERS`]).
+    pub initiator: bool,
 }
+
+/// Receives this framework's iwarp provider posts before it accepts a connection whose
+/// request carries no frame of this framework (its `EarlyRing`: a foreign peer may send
+/// at once). An initiator on this provider consumes them with as many zero-length sends,
+/// right after its hello mark, so the application's messages meet the application's
+/// receives (and their length checks) as with any other peer.
+pub(crate) const EARLY_FILLERS: usize = 4;
 
 impl Negotiated {
     fn has(&self, f: u8) -> bool {
@@ -280,6 +290,39 @@ impl Conn {
         self.send_cq.set().add(self.token, &self.sock, self)?;
         self.recv_cq.set().add(self.token, &self.sock, self)?;
         self.engine.ensure_thread()?;
+        if let (Some(area), true) = (self.neg.peer_area, self.neg.initiator) {
+            // This framework's iwarp provider is the peer, and our request carried no frame
+            // (we could not know): tell it that we answer zero-length RDMA Reads (its
+            // delivery reads and liveness probes), which it sends no foreign iWARP stack
+            // (siw answers them with a stale length). As the initiator we may send first.
+            // (As the responder our reply's frame said so.)
+            let mut st = self.lock();
+            self.transmit(
+                &mut st,
+                OutMsg::control(
+                    Kind::Tagged {
+                        opcode: opcode::WRITE,
+                        stag: area.stag,
+                        to: area.addr + pdata::area::HELLO as u64,
+                    },
+                    1u64.to_ne_bytes().to_vec(),
+                ),
+            );
+            for _ in 0..EARLY_FILLERS {
+                self.transmit(
+                    &mut st,
+                    OutMsg::control(
+                        Kind::Untagged {
+                            opcode: opcode::SEND,
+                            ulp: 0,
+                            qn: qn::SEND,
+                            msn: 0,
+                        },
+                        Vec::new(),
+                    ),
+                );
+            }
+        }
         self.progress();
         Ok(())
     }
