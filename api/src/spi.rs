@@ -6,6 +6,7 @@
 
 use std::fmt::Debug;
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -109,7 +110,26 @@ pub trait Listener: Send + Sync + Debug {
 }
 
 /// A completion queue.
-pub trait CompletionQueue: Send + Sync + Debug {
+///
+/// # Waiting on a file descriptor
+///
+/// Besides [`wait`](Self::wait), a queue can be waited on in an event loop (`epoll`,
+/// `poll(2)`, tokio's `AsyncFd`): its file descriptor ([`AsFd`]) becomes readable when
+/// completions may be pending, after [`arm`](Self::arm), with the arm-then-re-poll
+/// semantics of `ibv_req_notify_cq` plus the completion channel, or `ucp_worker_arm` plus
+/// the event fd:
+///
+/// 1. [`poll`](Self::poll) until it returns nothing;
+/// 2. [`arm`](Self::arm): `false` means completions are pending already, so go back to 1;
+/// 3. wait until the descriptor is readable, then go back to 1.
+///
+/// Readability is a hint: the descriptor may become readable with nothing to poll (go on
+/// with 1 to 3), but after `arm` returned `true` it never stays unreadable while a
+/// completion is pending. Never read the descriptor; polling is what consumes its events.
+/// One thread at a time follows this loop on a queue. The descriptor is the same for the
+/// queue's whole life and is level-triggered for `poll(2)` and `epoll`; with an
+/// edge-triggered registration (tokio's), step 2 is what makes the next edge certain.
+pub trait CompletionQueue: Send + Sync + Debug + AsFd {
     /// Moves up to `max` completions into `out` without blocking; returns how many.
     fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize>;
     /// Blocks (on an event, not a spin) until a completion is ready or `timeout` passes;
@@ -117,6 +137,11 @@ pub trait CompletionQueue: Send + Sync + Debug {
     fn wait(&self, timeout: Duration) -> Result<bool>;
     /// How many completions the queue can hold.
     fn capacity(&self) -> usize;
+    /// Arms the queue's file descriptor (see the trait docs): `Ok(true)` when armed, so
+    /// the descriptor becomes readable when a completion may be pending; `Ok(false)` when
+    /// completions are pending already (or may be): poll instead of waiting. Never
+    /// blocks.
+    fn arm(&self) -> Result<bool>;
 }
 
 /// A connected, reliable endpoint (RC queue pair semantics).

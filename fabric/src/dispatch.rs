@@ -9,6 +9,7 @@
 //! forwarding to the enums), so hooks work over every provider without a variant per pair.
 
 use std::net::SocketAddr;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,6 +56,12 @@ pub trait CqOps {
     fn wait(&self, timeout: Duration) -> Result<bool>;
     /// Capacity.
     fn capacity(&self) -> usize;
+    /// Arms the queue's file descriptor: `false` when completions are pending already
+    /// (poll instead of waiting). See [`fabric_api::spi::CompletionQueue`] for the loop.
+    fn arm(&self) -> Result<bool>;
+    /// The descriptor that becomes readable after [`arm`](Self::arm) when a completion may
+    /// be pending (also [`AsFd`] on [`AnyCq`]).
+    fn notify_fd(&self) -> BorrowedFd<'_>;
 }
 
 /// A connected endpoint of any provider.
@@ -125,6 +132,13 @@ pub enum AnyCq {
     Ib(IbCq),
     /// Any of the above with hooks (tracing, fault injection): see [`fabric_hook`].
     Hooked(HookCq<ErasedCq>),
+}
+
+/// The queue's notification descriptor: see [`CqOps::arm`].
+impl AsFd for AnyCq {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.notify_fd()
+    }
 }
 
 /// An endpoint of the selected provider.
@@ -257,6 +271,12 @@ impl<C: spi::CompletionQueue> CqOps for C {
     fn capacity(&self) -> usize {
         spi::CompletionQueue::capacity(self)
     }
+    fn arm(&self) -> Result<bool> {
+        spi::CompletionQueue::arm(self)
+    }
+    fn notify_fd(&self) -> BorrowedFd<'_> {
+        self.as_fd()
+    }
 }
 
 impl<E: spi::Endpoint> EndpointOps for E {
@@ -371,6 +391,15 @@ impl spi::CompletionQueue for ErasedCq {
     }
     fn capacity(&self) -> usize {
         self.0.capacity()
+    }
+    fn arm(&self) -> Result<bool> {
+        self.0.arm()
+    }
+}
+
+impl AsFd for ErasedCq {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
     }
 }
 

@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -251,5 +252,31 @@ impl<C: CompletionQueue> CompletionQueue for HookCq<C> {
 
     fn capacity(&self) -> usize {
         self.shared.inner.capacity()
+    }
+
+    /// Arms the provider's queue, unless completions are staged here already (`false`,
+    /// including one held back by `fault.delay`: nothing would make the descriptor
+    /// readable when its delay ends, so the caller polls again, as it would spin in
+    /// `poll`) or in the provider's queue.
+    fn arm(&self) -> Result<bool> {
+        let mut cuts = Vec::new();
+        let mut st = self.shared.state.lock().expect("hooked cq poisoned");
+        let pulled = self.pull(&mut st, &mut cuts);
+        // Lock order: this queue's state, then the provider's queue.
+        let armed = match pulled {
+            Ok(()) if st.staged.is_empty() => self.shared.inner.arm(),
+            Ok(()) => Ok(false),
+            Err(e) => Err(e),
+        };
+        drop(st);
+        self.finish(cuts);
+        armed
+    }
+}
+
+/// The provider queue's descriptor: completions reach this queue only through it.
+impl<C: CompletionQueue> AsFd for HookCq<C> {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.shared.inner.as_fd()
     }
 }

@@ -1,7 +1,11 @@
 //! Section 6: completions and errors (fields, order, unsignaled requests, the error state,
 //! queue limits, waiting and polling, provider codes).
 
+use std::os::fd::{AsFd, AsRawFd};
 use std::time::{Duration, Instant};
+
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Token};
 
 use fabric::prelude::*;
 
@@ -26,6 +30,7 @@ pub(super) fn cases() -> Vec<Case> {
         "cq.wait_times_out", "6", OpSet::empty() => wait_times_out;
         "cq.wait_wakes_on_completion", "6", OpSet::SEND => wait_wakes;
         "cq.poll_non_blocking", "6", OpSet::SEND | OpSet::RNR_WAIT => poll_non_blocking;
+        "cq.fd_readable_after_arm", "6", OpSet::SEND => fd_readable_after_arm;
         "cq.error_keeps_provider_code", "6", OpSet::WRITE => provider_code;
     }
 }
@@ -795,6 +800,96 @@ fn wait_wakes(ctx: &Ctx) -> CaseResultOf {
     let r = expect_ok(&p.cqb, 3, Opcode::Recv)?;
     ensure!(r.byte_len == 7, "receive holds {} bytes", r.byte_len);
     expect_ok(&p.cqa, 4, Opcode::Send)?;
+    Ok(())
+}
+
+/// Whether `cq`'s descriptor becomes readable within `timeout`, seen from an `epoll`
+/// instance of our own with an edge-triggered registration (as tokio's).
+fn readable_within(cq: &AnyCq, timeout: Duration) -> Result<bool, String> {
+    let err = |e: std::io::Error| format!("epoll on the queue's descriptor: {e}");
+    let mut poll = mio::Poll::new().map_err(err)?;
+    let fd = cq.as_fd().as_raw_fd();
+    poll.registry()
+        .register(&mut SourceFd(&fd), Token(0), Interest::READABLE)
+        .map_err(err)?;
+    let mut events = Events::with_capacity(4);
+    poll.poll(&mut events, Some(timeout)).map_err(err)?;
+    Ok(!events.is_empty())
+}
+
+/// The next completion of `cq`, waited for through its descriptor: poll, arm, wait until
+/// readable, again.
+fn next_by_fd(cq: &AnyCq, timeout: Duration) -> Result<Completion, String> {
+    let deadline = Instant::now() + timeout;
+    let mut out = Vec::new();
+    loop {
+        if cq.poll(&mut out, 1).ctx("poll")? == 1 {
+            return Ok(out.remove(0));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        ensure!(!left.is_zero(), "no completion within {timeout:?}");
+        if cq.arm().ctx("arm")? {
+            readable_within(cq, left)?;
+        }
+    }
+}
+
+fn fd_readable_after_arm(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let src = region(&p.da, 64, Access::empty())?;
+    let dst = region(&p.db, 64, Access::LOCAL_WRITE)?;
+    let mut out = Vec::new();
+    p.cqb.poll(&mut out, 16).ctx("poll")?;
+    ensure!(out.is_empty(), "completions on a new queue: {out:?}");
+    for i in 0..2 {
+        p.b.post_recv(&RecvWr::new(10 + i, &[dst.all()]))
+            .ctx("post_recv")?;
+    }
+    ensure!(
+        p.cqb.arm().ctx("arm")?,
+        "arming an empty queue returned false"
+    );
+    // Nobody polls b's queue while the message arrives: its descriptor must tell.
+    p.a.post_send(&SendWr::send(20, &[src.slice(0..5).ctx("slice")?]))
+        .ctx("post_send")?;
+    ensure!(
+        readable_within(&p.cqb, ctx.timeout)?,
+        "the armed descriptor stayed unreadable for {:?} after a message was sent to it",
+        ctx.timeout
+    );
+    let r = next_by_fd(&p.cqb, ctx.timeout)?;
+    ensure!(
+        r.context == 10
+            && r.opcode == Opcode::Recv
+            && r.status == Status::Success
+            && r.byte_len == 5,
+        "receive completion {r:?}, expected context 10, Recv, Success, 5 bytes"
+    );
+    // With a completion pending, arming refuses: poll instead.
+    p.a.post_send(&SendWr::send(21, &[src.slice(0..3).ctx("slice")?]))
+        .ctx("post_send")?;
+    ensure!(
+        p.cqb.wait(ctx.timeout).ctx("wait")?,
+        "the second message never completed"
+    );
+    ensure!(!p.cqb.arm().ctx("arm")?, "armed with a completion pending");
+    let r = next_by_fd(&p.cqb, ctx.timeout)?;
+    ensure!(
+        r.context == 11 && r.status == Status::Success,
+        "second receive {r:?}"
+    );
+    ensure!(
+        p.cqb.arm().ctx("arm")?,
+        "arming the drained queue returned false"
+    );
+    // The sender's queue, through its descriptor only.
+    for want in [20, 21] {
+        let s = next_by_fd(&p.cqa, ctx.timeout)?;
+        ensure!(
+            s.context == want && s.opcode == Opcode::Send && s.status == Status::Success,
+            "send completion {s:?}, expected context {want}, Send, Success"
+        );
+    }
     Ok(())
 }
 

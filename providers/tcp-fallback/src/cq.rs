@@ -6,6 +6,7 @@
 //! loom models run it over a model event.
 
 use std::collections::VecDeque;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -79,6 +80,21 @@ impl CompletionQueue for TcpCq {
     fn capacity(&self) -> usize {
         self.inner.capacity
     }
+
+    /// Arms the queue's descriptor, the `epoll` instance of its endpoints' sockets: their
+    /// readiness makes it readable (polling then makes the progress), and so does a
+    /// completion pushed by another thread (the domain's progress thread, a post) after
+    /// arming, through the poll set's waker.
+    fn arm(&self) -> Result<bool> {
+        Ok(self.inner.arm())
+    }
+}
+
+/// The `epoll` descriptor of the queue's poll set: see [`TcpCq::arm`](CompletionQueue::arm).
+impl AsFd for TcpCq {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.inner.set.as_fd()
+    }
 }
 
 impl<P: Poller> Inner<P> {
@@ -133,6 +149,13 @@ impl<P: Poller> Inner<P> {
         Ok(n)
     }
 
+    /// See [`CompletionQueue::arm`]: true when armed with no completion queued.
+    pub(crate) fn arm(&self) -> bool {
+        !self
+            .set
+            .arm(|| !self.queue.lock().expect("cq poisoned").is_empty())
+    }
+
     /// See [`CompletionQueue::wait`].
     pub(crate) fn wait(&self, timeout: Duration) -> Result<bool> {
         let deadline = Instant::now() + timeout;
@@ -171,6 +194,7 @@ pub(crate) fn sent(context: u64) -> Completion {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
 
     fn c(context: u64) -> Completion {
         sent(context)
@@ -200,5 +224,56 @@ mod tests {
         cq.reserve().unwrap();
         cq.push(c(9));
         assert!(t.join().unwrap());
+    }
+
+    /// Whether `cq`'s descriptor becomes readable within `timeout`, seen from another
+    /// `epoll` instance (as an event loop sees it: edge-triggered, like tokio).
+    fn readable_within(cq: &TcpCq, timeout: Duration) -> bool {
+        let mut poll = mio::Poll::new().unwrap();
+        let fd = cq.as_fd().as_raw_fd();
+        poll.registry()
+            .register(
+                &mut mio::unix::SourceFd(&fd),
+                mio::Token(1),
+                mio::Interest::READABLE,
+            )
+            .unwrap();
+        let mut events = mio::Events::with_capacity(4);
+        poll.poll(&mut events, Some(timeout)).unwrap();
+        !events.is_empty()
+    }
+
+    #[test]
+    fn arm_refuses_while_completions_are_pending() {
+        let cq = TcpCq::new(4).unwrap();
+        assert!(cq.arm().unwrap(), "an empty queue arms");
+        cq.reserve().unwrap();
+        cq.push(c(1));
+        assert!(!cq.arm().unwrap(), "armed with a completion pending");
+        let mut out = Vec::new();
+        assert_eq!(cq.poll(&mut out, 4).unwrap(), 1);
+        assert!(cq.arm().unwrap(), "the polled queue arms again");
+    }
+
+    #[test]
+    fn armed_descriptor_becomes_readable_on_a_push_from_another_thread() {
+        let cq = TcpCq::new(4).unwrap();
+        for round in 0..3 {
+            assert!(cq.arm().unwrap());
+            let cq2 = cq.clone();
+            let t = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                cq2.reserve().unwrap();
+                cq2.push(c(round));
+            });
+            assert!(
+                readable_within(&cq, Duration::from_secs(10)),
+                "round {round}: the armed descriptor stayed unreadable after a push"
+            );
+            t.join().unwrap();
+            let mut out = Vec::new();
+            assert_eq!(cq.poll(&mut out, 4).unwrap(), 1);
+            assert_eq!(out[0].context, round);
+        }
     }
 }

@@ -36,7 +36,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Weak};
 use std::thread::JoinHandle;
@@ -66,6 +66,9 @@ fn now_ns() -> u64 {
     static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
     u64::try_from(EPOCH.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
+
+/// Events taken from `epoll` per wait.
+const EVENTS: usize = 64;
 
 /// The waker's token in every poll set; connection tokens start above it.
 pub(crate) const WAKER: Token = Token(0);
@@ -123,6 +126,12 @@ pub(crate) struct PollSet<P: Poller = Poll> {
     conns: Mutex<HashMap<Token, Weak<Conn>>>,
     /// Threads inside `epoll_wait` on this set (wake them when something else completes).
     pub sleepers: AtomicUsize,
+    /// 1 while the application waits for this (completion queue's) set's descriptor to
+    /// become readable ([`PollSet::arm`]): the next [`wake`](PollSet::wake) fires the waker
+    /// even with no sleeper, and disarms. Not a sleeper for [`PollSet::app_driven`]: an
+    /// armed application may never come back, and the progress thread must not leave its
+    /// connections to it.
+    armed: AtomicUsize,
     /// When a thread last looked at this set ([`now_ns`]); for a completion queue's set,
     /// the application (see [`PollSet::app_driven`]).
     driven_at: AtomicU64,
@@ -151,6 +160,12 @@ impl PollSet {
         Ok(())
     }
 
+    /// The `epoll` descriptor (a duplicate sharing the instance): readable while
+    /// readiness or a wake-up waits in the set.
+    pub fn as_fd(&self) -> BorrowedFd<'_> {
+        self.registry.as_fd()
+    }
+
     /// Stops watching a connection.
     pub fn remove(&self, token: Token, sock: &TcpStream) {
         let mut conns = self.conns.lock().expect("poll set poisoned");
@@ -169,6 +184,7 @@ impl<P: Poller> PollSet<P> {
             waker,
             conns: Mutex::new(HashMap::new()),
             sleepers: AtomicUsize::new(0),
+            armed: AtomicUsize::new(0),
             driven_at: AtomicU64::new(0),
         }
     }
@@ -196,9 +212,39 @@ impl<P: Poller> PollSet<P> {
         // the load below (x86's store buffer does exactly that). Paired with the fence in
         // `run_unless`.
         std::sync::atomic::fence(Ordering::SeqCst);
-        if self.sleepers.load(Ordering::SeqCst) > 0 {
+        if self.sleepers.load(Ordering::SeqCst) > 0 || self.armed.swap(0, Ordering::SeqCst) != 0 {
             let _ = P::wake(&self.waker);
         }
+    }
+
+    /// Arms this set's descriptor (see `TcpCq`'s `arm`). First looks for readiness once
+    /// without waiting, as [`run_now`](Self::run_now), consuming what is there (a stale
+    /// wake-up included). Then arms: until the next [`wake`](Self::wake), a wake fires the
+    /// waker, so the `epoll` descriptor becomes readable (socket readiness makes it
+    /// readable anyway). Returns `done()`, checked after arming (paired with the fence in
+    /// `wake`, as in [`run_unless`](Self::run_unless)), so that either `done()` is true or
+    /// the change it waits for makes the descriptor readable. Also true when the look may
+    /// have left readiness in the ready list (a full batch of events): an edge-triggered
+    /// watcher of the descriptor would not hear of it again.
+    ///
+    /// Looking after arming instead could consume the wake-up of a push that `done()`
+    /// then misses (polled already) and leave the set disarmed: the loom model
+    /// `loom_cq_armed_descriptor_is_woken_by_push` finds that lost wake-up.
+    pub fn arm(&self, done: impl Fn() -> bool) -> bool {
+        self.mark_driven();
+        let full = match self.poll.try_lock() {
+            Ok(mut poll) => self.dispatch(&mut poll, Some(Duration::ZERO)),
+            // Another thread sleeps in (or looks at) the set: it consumes the readiness
+            // and makes the progress; what that completes wakes us.
+            Err(_) => false,
+        };
+        // A read-modify-write, as `wake`'s disarming: the flag's writes then form one
+        // chain, which the loom models need to see that `wake` reads this one (with a
+        // plain store, loom lets a later `wake` read an older disarming instead, which
+        // the memory model excludes).
+        self.armed.swap(1, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        full || done()
     }
 
     /// Looks for readiness without waiting and makes progress on every ready connection;
@@ -228,18 +274,23 @@ impl<P: Poller> PollSet<P> {
         self.dispatch(&mut poll, timeout);
     }
 
-    fn dispatch(&self, poll: &mut P, timeout: Option<Duration>) {
+    /// Returns whether the wait filled its batch of events (more may be ready).
+    fn dispatch(&self, poll: &mut P, timeout: Option<Duration>) -> bool {
         // The set stays locked while progress runs, so that only one thread sleeps in it
         // at a time; progress itself never blocks.
-        for c in self.ready(poll, timeout) {
+        let mut full = false;
+        for c in self.ready(poll, timeout, &mut full) {
             c.progress();
         }
+        full
     }
 
-    /// Waits up to `timeout` for readiness; the connections found ready.
-    fn ready(&self, poll: &mut P, timeout: Option<Duration>) -> Vec<Arc<Conn>> {
-        let mut events = Events::with_capacity(64);
+    /// Waits up to `timeout` for readiness; the connections found ready. Sets `full` when
+    /// the batch of events was full.
+    fn ready(&self, poll: &mut P, timeout: Option<Duration>, full: &mut bool) -> Vec<Arc<Conn>> {
+        let mut events = Events::with_capacity(EVENTS);
         let res = poll.wait(&mut events, timeout);
+        *full = events.iter().count() >= EVENTS;
         if timeout != Some(Duration::ZERO) {
             self.sleepers.fetch_sub(1, Ordering::SeqCst);
         }
@@ -275,12 +326,12 @@ impl PollSet {
                     self.sleepers.fetch_sub(1, Ordering::SeqCst);
                     return;
                 }
-                self.ready(&mut poll, None)
+                self.ready(&mut poll, None, &mut false)
             } else {
                 // Readiness arriving now queues in the epoll ready list without waking us.
                 std::thread::sleep(HANDOFF);
                 let mut poll = self.poll.lock().expect("poll set poisoned");
-                self.ready(&mut poll, Some(Duration::ZERO))
+                self.ready(&mut poll, Some(Duration::ZERO), &mut false)
             };
             for c in ready {
                 skipped.insert(c.token, Arc::downgrade(&c));

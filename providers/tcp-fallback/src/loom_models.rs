@@ -81,12 +81,28 @@ impl Poller for ModelPoller {
 
 type Cq = Inner<ModelPoller>;
 
+impl Event {
+    /// Waits until the model descriptor is readable (the event set), without consuming
+    /// it, as an event loop waits on the real one.
+    fn wait_readable(&self) {
+        let mut set = self.set.lock().unwrap();
+        while !*set {
+            set = self.cv.wait(set).unwrap();
+        }
+    }
+}
+
 /// A completion queue of `capacity` entries over a model event.
 fn cq(capacity: usize) -> Arc<Cq> {
+    cq_and_event(capacity).0
+}
+
+/// A completion queue of `capacity` entries and its model event.
+fn cq_and_event(capacity: usize) -> (Arc<Cq>, Arc<Event>) {
     EXECUTIONS.fetch_add(1, Ordering::Relaxed);
     let event = Arc::new(Event::default());
-    let set = PollSet::with(ModelPoller(event.clone()), (), event);
-    Arc::new(Inner::new(capacity, set))
+    let set = PollSet::with(ModelPoller(event.clone()), (), event.clone());
+    (Arc::new(Inner::new(capacity, set)), event)
 }
 
 fn c(context: u64) -> Completion {
@@ -168,6 +184,39 @@ fn loom_cq_waits_again_after_a_stale_wake() {
         assert_eq!(out.iter().map(|c| c.context).collect::<Vec<_>>(), [0, 1]);
         pusher.join().unwrap();
     });
+}
+
+#[test]
+fn loom_cq_armed_descriptor_is_woken_by_push() {
+    // The application polls, arms and waits for the descriptor (the model event being set:
+    // readable until a look at the set consumes it) while the engine pushes two
+    // completions: every push after an arm that returned true must make the descriptor
+    // readable, or the wait below never ends.
+    explore(
+        "cq: arm and wait for the descriptor against pushes",
+        None,
+        || {
+            let (cq, event) = cq_and_event(2);
+            let pusher = {
+                let cq = cq.clone();
+                thread::spawn(move || {
+                    for i in 0..2 {
+                        cq.reserve().unwrap();
+                        cq.push(c(i));
+                    }
+                })
+            };
+            let mut out = Vec::new();
+            while out.len() < 2 {
+                cq.poll(&mut out, 2).unwrap();
+                if out.len() < 2 && cq.arm() {
+                    event.wait_readable();
+                }
+            }
+            assert_eq!(out.iter().map(|c| c.context).collect::<Vec<_>>(), [0, 1]);
+            pusher.join().unwrap();
+        },
+    );
 }
 
 #[test]

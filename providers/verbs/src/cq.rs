@@ -5,6 +5,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::marker::PhantomData;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -23,11 +24,19 @@ const ORPHANS: usize = 256;
 pub(crate) trait DeviceQueue: Send + Sync {
     /// Takes up to `out.len()` completions; returns how many.
     fn poll(&self, out: &mut [Wc]) -> std::io::Result<usize>;
+    /// The completion channel's descriptor, if the queue has one (the device's has; the
+    /// loom models' queues have none).
+    fn channel_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
 }
 
 impl DeviceQueue for HwCq {
     fn poll(&self, out: &mut [Wc]) -> std::io::Result<usize> {
         HwCq::poll(self, out)
+    }
+    fn channel_fd(&self) -> Option<std::os::fd::RawFd> {
+        Some(self.fd())
     }
 }
 
@@ -77,6 +86,9 @@ pub(crate) struct CqInner<Q = HwCq, E = EpCore> {
     /// Wakes waiters when the provider itself queues completions (flushes of requests that
     /// never reached the device).
     wake: EventFd,
+    /// The application's notification descriptor: readable while the completion channel
+    /// or `wake` is (see `VerbsCq`'s `arm`).
+    notify: ffi::Epoll,
 }
 
 impl<Q, E> fmt::Debug for CqInner<Q, E> {
@@ -91,6 +103,12 @@ impl<Q, E> fmt::Debug for CqInner<Q, E> {
 
 impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
     pub fn new(hw: Q, capacity: usize, internal_cap: usize) -> Result<Self> {
+        let wake = EventFd::new()?;
+        let fds: Vec<_> = [Some(wake.fd()), hw.channel_fd()]
+            .into_iter()
+            .flatten()
+            .collect();
+        let notify = ffi::Epoll::new(&fds)?;
         Ok(CqInner {
             hw,
             capacity,
@@ -98,7 +116,8 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
             internal_cap,
             internal: AtomicUsize::new(0),
             st: Ranked::new(Rank::Cq, CqState::default()),
-            wake: EventFd::new()?,
+            wake,
+            notify,
         })
     }
 
@@ -316,5 +335,33 @@ impl<F: Flavor> CompletionQueue for VerbsCq<F> {
 
     fn capacity(&self) -> usize {
         self.inner.capacity
+    }
+
+    /// Arms the device queue (`ibv_req_notify_cq`) after consuming the completion
+    /// channel's old events and forgetting old wake-ups of the provider's own completions,
+    /// all under the queue's lock: a completion the device makes after arming raises a
+    /// channel event, one the provider queues (a flush) signals `wake` after queueing it
+    /// under that lock, and one already there is found by the drains around arming.
+    fn arm(&self) -> Result<bool> {
+        let c = &self.inner;
+        let mut st = c.lock();
+        c.drain(&mut st);
+        if !st.ready.is_empty() {
+            return Ok(false);
+        }
+        while c.hw.take_event() {}
+        c.wake.clear();
+        c.hw.arm()?;
+        // A completion that arrived before arming raised no event: look again.
+        c.drain(&mut st);
+        Ok(st.ready.is_empty())
+    }
+}
+
+/// An `epoll` descriptor readable while the completion channel or the provider's own
+/// wake-up is: see [`VerbsCq::arm`](CompletionQueue::arm).
+impl<F: Flavor> AsFd for VerbsCq<F> {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.inner.notify.as_fd()
     }
 }

@@ -546,6 +546,42 @@ impl Drop for EventFd {
     }
 }
 
+/// An `epoll` instance watching descriptors for input, level-triggered: its own descriptor
+/// is readable while one of them is (a completion queue's notification descriptor).
+#[derive(Debug)]
+pub(crate) struct Epoll(std::os::fd::OwnedFd);
+
+impl Epoll {
+    /// Watches `fds`, which the caller keeps open as long as the instance is used.
+    pub fn new(fds: &[RawFd]) -> io::Result<Epoll> {
+        use std::os::fd::{FromRawFd, OwnedFd};
+        // SAFETY: plain syscall creating a descriptor we own.
+        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if fd < 0 {
+            return Err(last_err());
+        }
+        // SAFETY: `fd` was just created and nothing else owns it.
+        let ep = Epoll(unsafe { OwnedFd::from_raw_fd(fd) });
+        for &f in fds {
+            let mut ev = libc::epoll_event {
+                events: libc::EPOLLIN as u32,
+                u64: f as u64,
+            };
+            // SAFETY: `ev` is a live local the kernel only reads; `fd` and `f` are open.
+            if unsafe { libc::epoll_ctl(fd, libc::EPOLL_CTL_ADD, f, &mut ev) } < 0 {
+                return Err(last_err());
+            }
+        }
+        Ok(ep)
+    }
+}
+
+impl std::os::fd::AsFd for Epoll {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
 /// Waits until one of `fds` is readable or `timeout` passes (`None`: forever). Returns
 /// which are readable.
 pub(crate) fn poll_fds(fds: &[RawFd], timeout: Option<Duration>) -> io::Result<Vec<bool>> {
