@@ -126,6 +126,11 @@
 //! needs rdma-core's headers; without the feature only tcp is built, with no rdma-core at
 //! build or run time, and roce, iwarp and ib report that they are not built in.
 //!
+//! `tokio` (off by default) adds [`tokio`](mod@crate::tokio): [`tokio::AsyncCq`] awaits a
+//! completion queue through its notification descriptor (every queue has one:
+//! [`CqOps::arm`], and [`AsFd`](std::os::fd::AsFd) on [`AnyCq`], for any event loop) and is
+//! a `Stream` of completions.
+//!
 //! # Hooks
 //! `FABRIC_HOOKS=trace,fault`, `hooks = [...]` with a `[fault]` table in the config file, or
 //! [`Selector::hooks`] wrap the selected provider in [`hook`]'s tracing and fault-injecting
@@ -135,6 +140,8 @@
 
 pub mod config;
 pub mod dispatch;
+#[cfg(feature = "tokio")]
+pub mod tokio;
 
 pub use config::{discover, SelectionReport, Selector, PROVIDER_NAMES};
 pub use dispatch::{
