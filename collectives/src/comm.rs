@@ -528,6 +528,15 @@ impl Comm {
     }
 }
 
+impl Drop for Comm {
+    /// Closes the endpoint gracefully (up to 5 s, or the step timeout if shorter): the
+    /// last messages of the last collective reach ranks still waiting for them before the
+    /// connections close.
+    fn drop(&mut self) {
+        let _ = self.ep.close(self.cfg.timeout.min(Duration::from_secs(5)));
+    }
+}
+
 fn check_len(data: &[u8], dtype: DataType) -> Result<()> {
     if data.len() % dtype.size() != 0 {
         return Err(Error::invalid(format!(

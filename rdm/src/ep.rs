@@ -38,6 +38,10 @@ pub struct RdmConfig {
     /// How long [`RdmEndpoint::wait`] polls before it sleeps in the completion queue
     /// (lower latency for a core spent; zero sleeps at once).
     pub busy_poll: Duration,
+    /// How long dropping the endpoint waits for its last messages to leave and its peers
+    /// to answer that they will send nothing more ([`RdmEndpoint::close`]; a peer that does
+    /// not make progress meanwhile costs the whole time).
+    pub linger: Duration,
 }
 
 impl Default for RdmConfig {
@@ -52,6 +56,7 @@ impl Default for RdmConfig {
             cq_capacity: 32768,
             connect_timeout: Duration::from_secs(10),
             busy_poll: Duration::from_micros(100),
+            linger: Duration::from_millis(200),
         }
     }
 }
@@ -360,6 +365,12 @@ struct Conn {
     ctrl: VecDeque<Header>,
     data: VecDeque<PendingData>,
     reads: VecDeque<PendingRead>,
+    /// We sent `ByeAck`: nothing more goes out on this connection.
+    quiet: bool,
+    /// We sent `Bye` and wait for `ByeAck`.
+    bye_sent: bool,
+    /// The peer answered our `Bye`.
+    bye_acked: bool,
 }
 
 #[derive(Debug)]
@@ -625,18 +636,58 @@ impl RdmEndpoint {
         Ok(g.av[idx as usize].addr)
     }
 
+    /// Connects to `peer` if no connection carries messages to it yet. The connection is
+    /// made without holding the endpoint: other threads keep using it meanwhile.
+    fn ensure_conn(&self, peer: Peer) -> Result<()> {
+        let (domain, cq, addr, cfg, name) = {
+            let g = lock(&self.inner);
+            let idx = g.check(peer)?;
+            if let Some(c) = g.av[idx as usize].send_conn {
+                if g.conns.contains_key(&c) {
+                    return Ok(());
+                }
+            }
+            let cfg = g.cfg.clone();
+            (
+                g.domain.clone(),
+                g.cq.clone(),
+                g.av[idx as usize].addr,
+                cfg,
+                g.name.clone(),
+            )
+        };
+        let pdata = private_data(cfg.recv_depth, &name);
+        let mut ecfg = EndpointConfig::new(&cq);
+        ecfg.sq_depth = cfg.sq_depth;
+        ecfg.rq_depth = cfg.recv_depth;
+        ecfg.private_data = &pdata;
+        ecfg.timeout = cfg.connect_timeout;
+        let ep = domain.connect(addr, &ecfg)?;
+        let mut g = lock(&self.inner);
+        match g.check(peer) {
+            Ok(idx) if g.av[idx as usize].addr == addr => g.adopt(idx, addr, ep).map(|_| ()),
+            Ok(_) | Err(_) => {
+                let _ = ep.close();
+                g.check(peer).map(|_| ())
+            }
+        }
+    }
+
     /// Sends an untagged message; `buf` may be reused once the send completes.
     pub fn send(&self, peer: Peer, buf: Slice<'_>, context: u64) -> Result<()> {
+        self.ensure_conn(peer)?;
         lock(&self.inner).send(peer, None, buf, context, false)
     }
 
     /// Sends a tagged message.
     pub fn tsend(&self, peer: Peer, tag: u64, buf: Slice<'_>, context: u64) -> Result<()> {
+        self.ensure_conn(peer)?;
         lock(&self.inner).send(peer, Some(tag), buf, context, false)
     }
 
     /// Sends a tagged message that completes only once a receive at the target matched it.
     pub fn tsend_sync(&self, peer: Peer, tag: u64, buf: Slice<'_>, context: u64) -> Result<()> {
+        self.ensure_conn(peer)?;
         lock(&self.inner).send(peer, Some(tag), buf, context, true)
     }
 
@@ -770,6 +821,7 @@ impl RdmEndpoint {
         remote: RemoteAddr,
         context: u64,
     ) -> Result<()> {
+        self.ensure_conn(peer)?;
         lock(&self.inner).rma(peer, RdmOp::Write, context, |wr| {
             SendWr::write(wr, src, remote)
         })
@@ -783,6 +835,7 @@ impl RdmEndpoint {
         remote: RemoteAddr,
         context: u64,
     ) -> Result<()> {
+        self.ensure_conn(peer)?;
         lock(&self.inner).rma(peer, RdmOp::Read, context, |wr| {
             SendWr::read(wr, dst, remote)
         })
@@ -797,6 +850,7 @@ impl RdmEndpoint {
         add: u64,
         context: u64,
     ) -> Result<()> {
+        self.ensure_conn(peer)?;
         lock(&self.inner).rma(peer, RdmOp::FetchAdd, context, |wr| {
             SendWr::fetch_add(wr, result, remote, add)
         })
@@ -812,6 +866,7 @@ impl RdmEndpoint {
         swap: u64,
         context: u64,
     ) -> Result<()> {
+        self.ensure_conn(peer)?;
         lock(&self.inner).rma(peer, RdmOp::CompareSwap, context, |wr| {
             SendWr::compare_swap(wr, result, remote, compare, swap)
         })
@@ -856,6 +911,73 @@ impl RdmEndpoint {
                 continue;
             }
             self.cq.wait(left.min(Duration::from_millis(20)))?;
+        }
+    }
+
+    /// Makes progress until every message already handed to the provider has been sent
+    /// and every acknowledgement and credit return owed to a peer went out, or `timeout`
+    /// passes; returns whether it got there. An eager send completes once its payload is
+    /// copied: call this (dropping the endpoint does) before the process exits, so that
+    /// the last messages are not lost with the connections.
+    pub fn flush(&self, timeout: Duration) -> Result<bool> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            {
+                let mut g = lock(&self.inner);
+                g.progress()?;
+                let sending = g
+                    .inflight
+                    .values()
+                    .any(|f| matches!(f, Inflight::Wire { .. }));
+                let owed = g.conns.values().any(|c| !c.ctrl.is_empty());
+                if !sending && !owed {
+                    return Ok(true);
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(false);
+            }
+            self.cq.wait(left.min(Duration::from_millis(5)))?;
+        }
+    }
+
+    /// Closes gracefully: [`RdmEndpoint::flush`], then tells every connected peer and
+    /// waits (up to `timeout` in all) until each has answered that it will send nothing
+    /// more, so that closing loses nothing still on its way (a TCP stream closed with
+    /// unread data is reset, and the reset can discard what the peer had not read yet).
+    /// Returns whether every peer answered. Dropping the endpoint does this with
+    /// [`RdmConfig::linger`]; the connections close when it is dropped.
+    pub fn close(&self, timeout: Duration) -> Result<bool> {
+        let deadline = Instant::now() + timeout;
+        if !self.flush(timeout)? {
+            return Ok(false);
+        }
+        {
+            let mut g = lock(&self.inner);
+            let ids: Vec<u64> = g.conns.keys().copied().collect();
+            for id in ids {
+                let c = g.conns.get_mut(&id).expect("listed");
+                if !c.quiet && !c.bye_sent {
+                    c.bye_sent = true;
+                    c.ctrl.push_back(Header::new(Kind::Bye));
+                    g.flush(id);
+                }
+            }
+        }
+        loop {
+            {
+                let mut g = lock(&self.inner);
+                g.progress()?;
+                if g.conns.values().all(|c| c.quiet || c.bye_acked) {
+                    return Ok(true);
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(false);
+            }
+            self.cq.wait(left.min(Duration::from_millis(5)))?;
         }
     }
 
@@ -909,7 +1031,11 @@ pub struct RdmStats {
 }
 
 impl Drop for RdmEndpoint {
+    /// Closes gracefully within [`RdmConfig::linger`] ([`RdmEndpoint::close`]), then closes
+    /// every connection.
     fn drop(&mut self) {
+        let linger = lock(&self.inner).cfg.linger;
+        let _ = self.close(linger);
         self.stop.store(true, Ordering::Release);
         if let Some(h) = self.acceptor.take() {
             let _ = h.join();
@@ -1158,6 +1284,9 @@ impl Inner {
                 ctrl: VecDeque::new(),
                 data: VecDeque::new(),
                 reads: VecDeque::new(),
+                quiet: false,
+                bye_sent: false,
+                bye_acked: false,
             },
         );
         let e = &mut self.av[idx as usize];
@@ -1192,6 +1321,12 @@ impl Inner {
         ecfg.timeout = self.cfg.connect_timeout;
         let addr = self.av[idx as usize].addr;
         let ep = self.domain.connect(addr, &ecfg)?;
+        self.adopt(idx, addr, ep)
+    }
+
+    /// Installs `ep`, just connected to `addr` for peer `idx`, as the peer's sending
+    /// connection, once its private data shows it reached the endpoint inserted.
+    fn adopt(&mut self, idx: u32, addr: SocketAddr, ep: AnyEndpoint) -> Result<u64> {
         let (depth, _, nonce) = match parse_private(&ep.peer_private_data()) {
             Ok(p) => p,
             Err(e) => {
@@ -1213,7 +1348,9 @@ impl Inner {
                 format!("the endpoint at {addr} is not the one inserted (it went away and another took its address)"),
             ));
         }
-        self.install(ep, idx, depth, true)
+        // Only when no other connection carries messages to the peer yet (one may have been
+        // accepted meanwhile): one connection per direction keeps messages in order.
+        self.install(ep, idx, depth, false)
     }
 
     fn send(
@@ -1484,6 +1621,9 @@ impl Inner {
             let Some(c) = self.conns.get_mut(&conn) else {
                 return;
             };
+            if c.quiet {
+                return;
+            }
             if c.to_return >= threshold && !c.ctrl.iter().any(|h| h.kind == Kind::Credit) {
                 c.ctrl.push_back(Header::new(Kind::Credit));
             }
@@ -1491,14 +1631,24 @@ impl Inner {
                 return;
             }
             if let Some(h) = c.ctrl.front() {
-                let need = if h.kind == Kind::Credit { 1 } else { 2 };
+                let need = match h.kind {
+                    Kind::Credit | Kind::Bye | Kind::ByeAck => 1,
+                    _ => 2,
+                };
                 if h.kind == Kind::Credit && c.to_return == 0 {
                     c.ctrl.pop_front();
                     continue;
                 }
                 if c.credits >= need {
                     let h = c.ctrl.pop_front().expect("front");
+                    let kind = h.kind;
                     if self.send_wire(conn, h, None, None).is_err() {
+                        return;
+                    }
+                    if kind == Kind::ByeAck {
+                        if let Some(c) = self.conns.get_mut(&conn) {
+                            c.quiet = true;
+                        }
                         return;
                     }
                     continue;
@@ -1763,6 +1913,18 @@ impl Inner {
         match hdr.kind {
             Kind::Credit => {
                 cn.to_return += 1;
+            }
+            Kind::Bye => {
+                // The peer is closing: answer, then leave this connection alone (messages
+                // to the peer connect again, and fail if it is gone).
+                cn.to_return += 1;
+                cn.ctrl.push_back(Header::new(Kind::ByeAck));
+                if self.av[peer as usize].send_conn == Some(conn) {
+                    self.av[peer as usize].send_conn = None;
+                }
+            }
+            Kind::ByeAck => {
+                cn.bye_acked = true;
             }
             Kind::Ack | Kind::Fin => {
                 cn.to_return += 1;

@@ -28,6 +28,10 @@ pub enum Kind {
     Fin,
     /// Only returns credits.
     Credit,
+    /// The sender is closing: answer `ByeAck`, then send nothing more on this connection.
+    Bye,
+    /// Answers `Bye`: nothing more follows on this connection.
+    ByeAck,
 }
 
 impl Kind {
@@ -38,6 +42,8 @@ impl Kind {
             Kind::Ack => 3,
             Kind::Fin => 4,
             Kind::Credit => 5,
+            Kind::Bye => 6,
+            Kind::ByeAck => 7,
         }
     }
 
@@ -48,6 +54,8 @@ impl Kind {
             3 => Kind::Ack,
             4 => Kind::Fin,
             5 => Kind::Credit,
+            6 => Kind::Bye,
+            7 => Kind::ByeAck,
             _ => return None,
         })
     }
