@@ -286,9 +286,9 @@ fn rank_main(
     let ts = dtype.size();
     let mut rows = Vec::new();
     for &size in sizes {
-        // Whole elements (and, for allgather, a whole number of them per rank).
+        // Whole elements (and, for allgather, a whole number of them per rank), at least one.
         let unit = if coll == Coll::Allgather { ts * n } else { ts };
-        let bytes = size / unit * unit;
+        let bytes = (size / unit * unit).max(unit);
         let count = bytes / ts;
         let per_rank = if coll == Coll::Allgather {
             count / n
