@@ -194,6 +194,8 @@ struct State {
     batching: bool,
     /// Acks owed: RDMA Writes placed, messages matched.
     acks_owed: [u32; 2],
+    /// Receive completions of the batch, delivered after its acks are sent.
+    received: Vec<Completion>,
 }
 
 /// The shared state of one connection.
@@ -271,6 +273,7 @@ impl Conn {
                 next_req_id: 1,
                 batching: false,
                 acks_owed: [0; 2],
+                received: Vec::new(),
             }),
             tx: Mutex::new(TxQueue::default()),
             rx: Mutex::new(Rx::new(crc)),
@@ -781,16 +784,30 @@ impl Conn {
         byte_len: u64,
         imm: Option<u32>,
     ) {
-        self.recv_cq.push(Completion {
+        let c = Completion {
             context,
             opcode,
             status: Status::Success,
             provider_code: None,
             byte_len,
             imm,
-        });
+        };
+        // The sender's ack leaves before the application can see the receive: an
+        // application that exits on a message must not take the ack with it (the sender
+        // would see its delivered message flushed).
         if self.neg.has(features::ACKS) {
             self.send_ack(st, ddp::ACK_MESSAGES | 1);
+        }
+        self.push_recv(st, c);
+    }
+
+    /// Delivers a receive completion, in order: held back while a receive batch is under
+    /// way (its acks go out first, see [`Self::flush_acks`]).
+    fn push_recv(&self, st: &mut State, c: Completion) {
+        if st.batching {
+            st.received.push(c);
+        } else {
+            self.recv_cq.push(c);
         }
     }
 
@@ -802,14 +819,17 @@ impl Conn {
             room = recv.total,
             "message longer than the matched receive"
         );
-        self.recv_cq.push(Completion {
-            context: recv.context,
-            opcode: Opcode::Recv,
-            status: Status::Error(ErrorKind::LocalLength),
-            provider_code: Some(term::MSG_TOO_LONG.code()),
-            byte_len: len as u64,
-            imm: None,
-        });
+        self.push_recv(
+            st,
+            Completion {
+                context: recv.context,
+                opcode: Opcode::Recv,
+                status: Status::Error(ErrorKind::LocalLength),
+                provider_code: Some(term::MSG_TOO_LONG.code()),
+                byte_len: len as u64,
+                imm: None,
+            },
+        );
         self.send_terminate(st, term::MSG_TOO_LONG);
         self.enter_error(st, None, EndpointState::Error);
     }
@@ -890,8 +910,9 @@ impl Conn {
         self.transmit_ack(st, ulp);
     }
 
-    /// Sends the acks counted during a receive batch: one per kind, carrying the count
-    /// (the wire's ack counts; the peer credits that many operations in order).
+    /// Ends a receive batch: sends the acks counted during it, one per kind carrying the
+    /// count (the wire's ack counts; the peer credits that many operations in order), then
+    /// delivers the batch's receive completions.
     fn flush_acks(&self, st: &mut State) {
         st.batching = false;
         for (kind, flag) in [(0, 0), (1, ddp::ACK_MESSAGES)] {
@@ -901,6 +922,9 @@ impl Conn {
                 self.transmit_ack(st, flag | take);
                 n -= take;
             }
+        }
+        for c in st.received.drain(..) {
+            self.recv_cq.push(c);
         }
     }
 
@@ -1004,9 +1028,13 @@ impl Conn {
         st.read_sinks.clear();
         self.drain_sq(st);
         let placing = st.placing.take();
-        for r in placing.into_iter().chain(st.rq.drain(..)) {
-            self.recv_cq
-                .push(Completion::flushed(r.context, Opcode::Recv));
+        let flushed: Vec<Completion> = placing
+            .into_iter()
+            .chain(st.rq.drain(..))
+            .map(|r| Completion::flushed(r.context, Opcode::Recv))
+            .collect();
+        for c in flushed {
+            self.push_recv(st, c);
         }
         st.unexpected.clear();
         st.unexpected_bytes = 0;
