@@ -404,7 +404,15 @@ struct Ledger {
     /// them.
     early: Vec<EarlySlot>,
     early_matched: usize,
+    /// When `state()` last asked the device for the queue pair's state (at most once per
+    /// [`QP_STATE_EVERY`]: `ibv_query_qp` is a system call).
+    qp_checked: Option<Instant>,
 }
+
+/// How often `state()` may query the queue pair's state: its death is otherwise learned
+/// from completions and connection events; the query only catches a queue pair that went to
+/// the error state silently.
+const QP_STATE_EVERY: Duration = Duration::from_millis(1);
 
 /// The shared core of an endpoint.
 pub(crate) struct EpCore {
@@ -648,6 +656,7 @@ impl EpCore {
                     kill_after: None,
                     early: (0..early_slots).map(|_| EarlySlot::default()).collect(),
                     early_matched,
+                    qp_checked: None,
                 },
             ),
         });
@@ -2231,7 +2240,9 @@ impl EpCore {
     /// the responder on InfiniBand transports: its queue pair just enters ERR).
     pub fn state(self: &Arc<Self>) -> EndpointState {
         let mut l = self.lock();
-        if l.status == EndpointState::Connected && !l.torn_down {
+        let due = l.qp_checked.is_none_or(|t| t.elapsed() >= QP_STATE_EVERY);
+        if l.status == EndpointState::Connected && !l.torn_down && due {
+            l.qp_checked = Some(Instant::now());
             if let Ok(ffi::QPS_ERR) = self.id.qp_state() {
                 l.status = self.dead_state();
                 self.note_dead(&mut l);
