@@ -31,7 +31,8 @@ pub struct RdmConfig {
     /// Bytes of unexpected messages kept per endpoint before senders are made to wait.
     pub max_unexpected_bytes: usize,
     /// Completion-queue capacity shared by every connection; it bounds how many
-    /// connections the endpoint can hold (`sq_depth + recv_depth` entries each).
+    /// connections the endpoint can hold (`sq_depth + recv_depth` entries each). Lowered to
+    /// the provider's `max_cq_entries` when larger.
     pub cq_capacity: usize,
     /// Connection establishment timeout.
     pub connect_timeout: Duration,
@@ -500,9 +501,11 @@ impl RdmEndpoint {
     /// Opens an endpoint in `domain`: a completion queue, a listener at `cfg.bind` and the
     /// thread that accepts peers' connections (one per endpoint, whatever the number of
     /// peers).
-    pub fn new(domain: Arc<AnyDomain>, cfg: RdmConfig) -> Result<Self> {
-        cfg.validate()?;
+    pub fn new(domain: Arc<AnyDomain>, mut cfg: RdmConfig) -> Result<Self> {
         let limits = domain.info().caps.limits;
+        // No larger than the device's completion queues (rxe: 32767 entries).
+        cfg.cq_capacity = cfg.cq_capacity.min(limits.max_cq_entries as usize);
+        cfg.validate()?;
         let cq = domain.create_cq(cfg.cq_capacity)?;
         let listener = domain.listen(cfg.bind)?;
         let mut addr = listener.local_addr();
