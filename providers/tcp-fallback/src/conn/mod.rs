@@ -300,17 +300,7 @@ impl Conn {
             // (siw answers them with a stale length). As the initiator we may send first.
             // (As the responder our reply's frame said so.)
             let mut st = self.lock();
-            self.transmit(
-                &mut st,
-                OutMsg::control(
-                    Kind::Tagged {
-                        opcode: opcode::WRITE,
-                        stag: area.stag,
-                        to: area.addr + pdata::area::HELLO as u64,
-                    },
-                    1u64.to_ne_bytes().to_vec(),
-                ),
-            );
+            self.mark_peer_area(&mut st, area, pdata::area::HELLO);
             for _ in 0..EARLY_FILLERS {
                 self.transmit(
                     &mut st,
@@ -943,6 +933,22 @@ impl Conn {
         );
     }
 
+    /// Sets the word at `offset` of the credit area of a peer on this framework's iwarp
+    /// provider to 1 (an RDMA Write): the hello and close marks.
+    fn mark_peer_area(&self, st: &mut State, area: pdata::AreaDesc, offset: usize) {
+        self.transmit(
+            st,
+            OutMsg::control(
+                Kind::Tagged {
+                    opcode: opcode::WRITE,
+                    stag: area.stag,
+                    to: area.addr + offset as u64,
+                },
+                1u64.to_ne_bytes().to_vec(),
+            ),
+        );
+    }
+
     fn send_terminate(&self, st: &mut State, t: Terminate) {
         self.transmit(
             st,
@@ -1098,17 +1104,7 @@ impl Conn {
             }
         }
         if let Some(area) = mark {
-            self.transmit(
-                &mut st,
-                OutMsg::control(
-                    Kind::Tagged {
-                        opcode: opcode::WRITE,
-                        stag: area.stag,
-                        to: area.addr + pdata::area::CLOSED as u64,
-                    },
-                    1u64.to_ne_bytes().to_vec(),
-                ),
-            );
+            self.mark_peer_area(&mut st, area, pdata::area::CLOSED);
         }
         drop(st);
         self.close_tx(true);
