@@ -330,15 +330,27 @@ impl Rnr {
 
     /// Polls the served endpoints at the quickest pace again (an atomic is in flight).
     pub fn hurry(&self) {
-        self.shared.hurry.store(true, Ordering::Release);
-        self.shared.cv.notify_all();
+        self.shared.raise(&self.shared.hurry);
+    }
+}
+
+impl RnrShared {
+    /// Sets `flag` and wakes the thread. The store happens under the lists' lock, which the
+    /// thread holds from looking at its flags until it sleeps on the condition variable: a
+    /// store and notification in between, without the lock, would be lost, and the thread
+    /// could sleep for good (a domain's drop hung joining it, seen once in CI).
+    fn raise(&self, flag: &AtomicBool) {
+        {
+            let _l = self.lists.lock().unwrap_or_else(|e| e.into_inner());
+            flag.store(true, Ordering::Release);
+        }
+        self.cv.notify_all();
     }
 }
 
 impl Drop for Rnr {
     fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::Release);
-        self.shared.cv.notify_all();
+        self.shared.raise(&self.shared.stop);
         if let Some((h, tid)) = self.thread.lock().expect("rnr poisoned").take() {
             if std::thread::current().id() != tid {
                 let _ = h.join();
@@ -461,5 +473,31 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
                 .collect();
             s.lists.lock().expect("rnr poisoned").watched.extend(keep);
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// A helper dropped right after it started must not sleep through the stop: the stop
+    /// (and any wake-up flag) is raised under the lock the thread checks its flags under.
+    /// Before, the notification could fall between the thread's check and its wait, and
+    /// the drop then joined a thread asleep for good.
+    #[test]
+    fn a_helper_dropped_right_after_starting_stops() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for _ in 0..3000 {
+                let r = Rnr::new("test", None);
+                r.start();
+                drop(r);
+            }
+            let _ = tx.send(());
+        });
+        assert!(
+            rx.recv_timeout(Duration::from_secs(120)).is_ok(),
+            "a helper thread slept through its stop (the drop never returned)"
+        );
     }
 }
