@@ -59,33 +59,47 @@ pub struct PeerProcess {
     lines: mpsc::Receiver<String>,
 }
 
+/// Starts `fabric SUBCOMMAND --provider <target> --bind <address> ARGS` (the executable of
+/// `ctx`, else `FABRIC_PEER_EXE`) with piped stdin and stdout; its stdout lines arrive on the
+/// receiver.
+pub(crate) fn spawn(
+    ctx: &Ctx,
+    subcommand: &str,
+    args: &[&str],
+) -> Result<(Child, mpsc::Receiver<String>), String> {
+    let exe = ctx
+        .peer_exe
+        .clone()
+        .or_else(|| std::env::var_os("FABRIC_PEER_EXE").map(Into::into))
+        .ok_or(
+            "multi-process case needs the fabric executable (FABRIC_PEER_EXE) to start its peer",
+        )?;
+    let mut child = Command::new(&exe)
+        .arg(subcommand)
+        .args(["--provider", &ctx.target, "--bind", &ctx.bind.to_string()])
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("starting {} {subcommand}: {e}", exe.display()))?;
+    let stdout = child.stdout.take().expect("piped");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    Ok((child, rx))
+}
+
 impl PeerProcess {
     /// Starts `fabric peer` with `args` and connects to it.
     pub fn start(ctx: &Ctx, args: &[&str]) -> Result<Self, String> {
-        let exe = ctx
-            .peer_exe
-            .clone()
-            .or_else(|| std::env::var_os("FABRIC_PEER_EXE").map(Into::into))
-            .ok_or("multi-process case needs the fabric executable (FABRIC_PEER_EXE) to start its peer")?;
-        let mut child = Command::new(&exe)
-            .arg("peer")
-            .args(["--provider", &ctx.target, "--bind", &ctx.bind.to_string()])
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| format!("starting peer {}: {e}", exe.display()))?;
+        let (mut child, rx) = spawn(ctx, "peer", args)?;
         let pid = child.id();
-        let stdout = child.stdout.take().expect("piped");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
         let line = rx.recv_timeout(ctx.timeout).map_err(|_| {
             let _ = child.kill();
             "peer did not report its address".to_string()

@@ -1,9 +1,9 @@
 //! Section 9: reliable datagram endpoints and tagged messages (`fabric-rdm`), on every
 //! provider. Multi-process cases start their peers as `fabric rdm-peer` processes.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -1042,29 +1042,7 @@ struct RdmPeer {
 
 impl RdmPeer {
     fn start(ctx: &Ctx, me: &RdmEndpoint, args: &[&str]) -> Result<Self, String> {
-        let exe = ctx
-            .peer_exe
-            .clone()
-            .or_else(|| std::env::var_os("FABRIC_PEER_EXE").map(Into::into))
-            .ok_or("multi-process case needs the fabric executable (FABRIC_PEER_EXE)")?;
-        let mut child = Command::new(&exe)
-            .arg("rdm-peer")
-            .args(["--provider", &ctx.target, "--bind", &ctx.bind.to_string()])
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| format!("starting {}: {e}", exe.display()))?;
-        let stdout = child.stdout.take().expect("piped");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
+        let (child, lines) = crate::peer::spawn(ctx, "rdm-peer", args)?;
         let mut p = RdmPeer {
             child,
             name: Vec::new(),
