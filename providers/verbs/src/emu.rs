@@ -401,7 +401,7 @@ impl AtomicKeys {
     pub fn execute(&self, req: &AmoReq) -> Result<u64, ErrorKind> {
         let map = self.map.lock().expect("keys poisoned");
         let buf = map.get(&req.rkey).ok_or(ErrorKind::RemoteAccess)?;
-        if req.addr % 8 != 0 {
+        if !req.addr.is_multiple_of(8) {
             return Err(ErrorKind::RemoteInvalidRequest);
         }
         let off = req
