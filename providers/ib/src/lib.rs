@@ -35,6 +35,8 @@ pub type IbCq = fabric_verbs::VerbsCq<Ib>;
 pub type IbEndpoint = fabric_verbs::VerbsEndpoint<Ib>;
 /// An InfiniBand listener.
 pub type IbListener = fabric_verbs::VerbsListener<Ib>;
+/// An InfiniBand connection being set up ([`connect_start`](fabric_api::spi::Domain::connect_start)).
+pub type IbConnecting = fabric_verbs::VerbsConnecting<Ib>;
 
 /// What `discover()` reports for this provider.
 pub fn info(opts: &VerbsOptions) -> ProviderInfo {

@@ -101,6 +101,8 @@ pub type IwarpCq = fabric_verbs::VerbsCq<Iwarp>;
 pub type IwarpEndpoint = fabric_verbs::VerbsEndpoint<Iwarp>;
 /// An iWARP listener.
 pub type IwarpListener = fabric_verbs::VerbsListener<Iwarp>;
+/// An iWARP connection being set up ([`connect_start`](fabric_api::spi::Domain::connect_start)).
+pub type IwarpConnecting = fabric_verbs::VerbsConnecting<Iwarp>;
 
 /// What `discover()` reports for this provider.
 pub fn info(opts: &VerbsOptions) -> ProviderInfo {

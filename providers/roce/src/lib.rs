@@ -44,6 +44,8 @@ pub type RoceCq = fabric_verbs::VerbsCq<Roce>;
 pub type RoceEndpoint = fabric_verbs::VerbsEndpoint<Roce>;
 /// A RoCE listener.
 pub type RoceListener = fabric_verbs::VerbsListener<Roce>;
+/// A RoCE connection being set up ([`connect_start`](fabric_api::spi::Domain::connect_start)).
+pub type RoceConnecting = fabric_verbs::VerbsConnecting<Roce>;
 
 /// What `discover()` reports for this provider.
 pub fn info(opts: &VerbsOptions) -> ProviderInfo {

@@ -12,40 +12,108 @@ use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
+use fabric_api::{Error, ErrorKind, Notifier};
+
 use crate::ep::EpCore;
 use crate::ffi::{self, cm_event, CmEvent, CmId, EventChannel, EventFd};
 
 /// Events for one identifier, waited on with a deadline.
+///
+/// A listener's mailbox also reports, through [`Mailbox::requests`], whether a connection
+/// request waits in it: raised on every push of one, lowered when the last is taken.
 #[derive(Debug, Default)]
 pub(crate) struct Mailbox {
     q: Mutex<VecDeque<CmEvent>>,
     cv: Condvar,
+    /// Raised while a CONNECT_REQUEST waits (the listener's descriptor).
+    requests: Notifier,
+}
+
+fn is_request(ev: &CmEvent) -> bool {
+    ev.kind == cm_event::RDMA_CM_EVENT_CONNECT_REQUEST
 }
 
 impl Mailbox {
-    fn push(&self, ev: CmEvent) {
+    pub(crate) fn push(&self, ev: CmEvent) {
+        let request = is_request(&ev);
         self.q.lock().expect("mailbox poisoned").push_back(ev);
         self.cv.notify_all();
+        // After the request is queued and with the queue's lock released: a taker that
+        // lowers the level looks at the queue under the notifier's lock, so either it
+        // sees this request and keeps the level, or this raise comes after its lowering.
+        if request {
+            self.requests.raise();
+        }
     }
 
     /// The next event, or `None` once `deadline` passed.
     pub fn wait(&self, deadline: Instant) -> Option<CmEvent> {
         let mut q = self.q.lock().expect("mailbox poisoned");
-        loop {
+        let ev = loop {
             if let Some(ev) = q.pop_front() {
-                return Some(ev);
+                break Some(ev);
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return None;
+                break None;
             }
             q = self.cv.wait_timeout(q, left).expect("mailbox poisoned").0;
+        };
+        drop(q);
+        if ev.as_ref().is_some_and(is_request) {
+            self.lower_requests();
         }
+        ev
+    }
+
+    /// The oldest connection request, waiting for one until `deadline` (`None`: not at
+    /// all). Other events ahead of it are dropped (a listener acts on requests only; every
+    /// event was acknowledged when it was read, and only a request owns an identifier).
+    pub fn take_request(&self, deadline: Option<Instant>) -> Option<CmEvent> {
+        let mut q = self.q.lock().expect("mailbox poisoned");
+        let ev = loop {
+            let upto = q.iter().position(is_request).unwrap_or(q.len());
+            for ev in q.drain(..upto) {
+                tracing::trace!(kind = ev.kind, status = ev.status, "listener event ignored");
+            }
+            if let Some(ev) = q.pop_front() {
+                break Some(ev);
+            }
+            let left = deadline.map_or(Duration::ZERO, |d| {
+                d.saturating_duration_since(Instant::now())
+            });
+            if left.is_zero() {
+                break None;
+            }
+            q = self.cv.wait_timeout(q, left).expect("mailbox poisoned").0;
+        };
+        drop(q);
+        self.lower_requests();
+        ev
+    }
+
+    /// Lowers the request level unless a request still waits (checked under the
+    /// notifier's lock, see [`Mailbox::push`]).
+    fn lower_requests(&self) {
+        self.requests.lower_unless(|| {
+            self.q
+                .lock()
+                .expect("mailbox poisoned")
+                .iter()
+                .any(is_request)
+        });
+    }
+
+    /// The level raised while a connection request waits.
+    pub fn requests(&self) -> &Notifier {
+        &self.requests
     }
 
     /// Everything queued now.
     pub fn take_all(&self) -> Vec<CmEvent> {
-        self.q.lock().expect("mailbox poisoned").drain(..).collect()
+        let all = self.q.lock().expect("mailbox poisoned").drain(..).collect();
+        self.lower_requests();
+        all
     }
 }
 
@@ -216,9 +284,14 @@ fn dispatch(s: &CmShared, ev: CmEvent) {
 /// Acts on an event of an established endpoint.
 pub(crate) fn handle_endpoint_event(ep: &Arc<EpCore>, ev: &CmEvent) {
     match ev.kind {
-        cm_event::RDMA_CM_EVENT_DISCONNECTED | cm_event::RDMA_CM_EVENT_DEVICE_REMOVAL => {
-            ep.on_disconnected()
-        }
+        cm_event::RDMA_CM_EVENT_DISCONNECTED => ep.on_disconnected(None),
+        cm_event::RDMA_CM_EVENT_DEVICE_REMOVAL => ep.on_disconnected(Some(Error::new(
+            ErrorKind::NoDevice,
+            format!(
+                "the RDMA device was removed (rdma_cm event {}, status {})",
+                ev.kind, ev.status
+            ),
+        ))),
         _ => {}
     }
 }
@@ -479,6 +552,103 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use std::os::fd::{AsRawFd, BorrowedFd};
+
+    fn readable(fd: BorrowedFd<'_>) -> bool {
+        let mut p = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        #[allow(unsafe_code)]
+        // SAFETY: `p` is one valid pollfd for the duration of the call.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n == 1 && p.revents & libc::POLLIN != 0
+    }
+
+    /// An event that owns no identifier (nothing adopts it in these tests).
+    fn event(kind: u32, id: usize) -> CmEvent {
+        CmEvent {
+            kind,
+            status: 0,
+            id,
+            listen_id: 0,
+            private_data: Vec::new(),
+            initiator_depth: 0,
+            responder_resources: 0,
+        }
+    }
+
+    #[test]
+    fn the_listener_descriptor_is_readable_while_a_request_waits() {
+        let mb = Mailbox::default();
+        let fd = mb.requests().fd().unwrap();
+        assert!(!readable(fd));
+        assert!(mb.take_request(None).is_none());
+        // Other events raise nothing and are dropped by the taker.
+        mb.push(event(cm_event::RDMA_CM_EVENT_ADDR_CHANGE, 1));
+        assert!(!readable(fd));
+        mb.push(event(cm_event::RDMA_CM_EVENT_CONNECT_REQUEST, 2));
+        mb.push(event(cm_event::RDMA_CM_EVENT_ADDR_CHANGE, 3));
+        mb.push(event(cm_event::RDMA_CM_EVENT_CONNECT_REQUEST, 4));
+        assert!(readable(fd));
+        assert_eq!(mb.take_request(None).map(|e| e.id), Some(2));
+        // One more waits: still readable.
+        assert!(readable(fd));
+        assert_eq!(mb.take_request(None).map(|e| e.id), Some(4));
+        assert!(!readable(fd));
+        assert!(mb.take_request(None).is_none());
+        assert!(mb.take_all().is_empty());
+    }
+
+    #[test]
+    fn take_request_waits_until_its_deadline() {
+        let mb = Arc::new(Mailbox::default());
+        let t0 = Instant::now();
+        assert!(mb
+            .take_request(Some(t0 + Duration::from_millis(30)))
+            .is_none());
+        assert!(t0.elapsed() >= Duration::from_millis(30));
+        let mb2 = mb.clone();
+        let h = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            mb2.push(event(cm_event::RDMA_CM_EVENT_CONNECT_REQUEST, 9));
+        });
+        let got = mb.take_request(Some(Instant::now() + Duration::from_secs(60)));
+        assert_eq!(got.map(|e| e.id), Some(9));
+        h.join().unwrap();
+        assert!(!readable(mb.requests().fd().unwrap()));
+    }
+
+    /// A request pushed while another thread takes the last one is never lost: the level
+    /// is raised whenever a request waits once both are done.
+    #[test]
+    fn a_request_racing_with_the_lowering_keeps_the_descriptor_readable() {
+        let mb = Arc::new(Mailbox::default());
+        let fd = mb.requests().fd().unwrap().as_raw_fd();
+        for round in 0..2000 {
+            mb.push(event(cm_event::RDMA_CM_EVENT_CONNECT_REQUEST, round));
+            let mb2 = mb.clone();
+            let pusher = std::thread::spawn(move || {
+                mb2.push(event(
+                    cm_event::RDMA_CM_EVENT_CONNECT_REQUEST,
+                    round + 100_000,
+                ));
+            });
+            let first = mb.take_request(None);
+            pusher.join().unwrap();
+            assert!(first.is_some());
+            // SAFETY: the descriptor is the mailbox's, alive for the whole test.
+            #[allow(unsafe_code)]
+            let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+            assert!(
+                readable(fd),
+                "round {round}: a waiting request left the descriptor unreadable"
+            );
+            assert!(mb.take_request(None).is_some());
+            assert!(!readable(fd));
+        }
+    }
 
     /// A helper dropped right after it started must not sleep through the stop: the stop
     /// (and any wake-up flag) is raised under the lock the thread checks its flags under.

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::marker::PhantomData;
 use std::net::{IpAddr, SocketAddr};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -16,6 +17,7 @@ use fabric_api::{
 };
 
 use crate::cm::{self, Cm, Mailbox, Rnr, Target};
+use crate::connecting::VerbsConnecting;
 use crate::cq::{CqInner, VerbsCq};
 use crate::device::{self, DeviceFacts};
 use crate::emu::{self, AtomicKeys, ExtDesc};
@@ -534,6 +536,7 @@ impl<F: Flavor> VerbsDomain<F> {
             emu,
             foreign,
             early,
+            ep_context: cfg.ep_context,
         });
         VerbsEndpoint {
             core,
@@ -714,6 +717,7 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
     type Cq = VerbsCq<F>;
     type Endpoint = VerbsEndpoint<F>;
     type Listener = VerbsListener<F>;
+    type Connecting = VerbsConnecting<F>;
 
     fn info(&self) -> &ProviderInfo {
         &self.inner.info
@@ -798,6 +802,8 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
             key: id.key(),
             armed: true,
         };
+        // The listener's descriptor, made now: `AsFd` cannot fail later.
+        mb.requests().fd()?;
         // iWARP with port 0: a port the kernel's TCP allocator hands out (see
         // `reserve_tcp_port`), held until the listening socket has it.
         let reserved = match d.dev.transport {
@@ -852,9 +858,31 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
         addr: SocketAddr,
         cfg: &EndpointConfig<'_, VerbsCq<F>>,
     ) -> Result<VerbsEndpoint<F>> {
+        self.inner.check_cfg(cfg)?;
+        self.establish(addr, cfg, Instant::now() + cfg.timeout)
+    }
+
+    fn connect_start(
+        &self,
+        addr: SocketAddr,
+        cfg: &EndpointConfig<'_, VerbsCq<F>>,
+    ) -> Result<VerbsConnecting<F>> {
+        self.inner.check_cfg(cfg)?;
+        VerbsConnecting::start(self.clone(), addr, cfg)
+    }
+}
+
+impl<F: Flavor> VerbsDomain<F> {
+    /// Sets up a connection to `addr` (the configuration checked), blocking until it is up
+    /// or failed, at the latest around `deadline`: the body of `connect`, and of the
+    /// helper thread of `connect_start`.
+    pub(crate) fn establish(
+        &self,
+        addr: SocketAddr,
+        cfg: &EndpointConfig<'_, VerbsCq<F>>,
+        deadline: Instant,
+    ) -> Result<VerbsEndpoint<F>> {
         let d = &self.inner;
-        d.check_cfg(cfg)?;
-        let deadline = Instant::now() + cfg.timeout;
         let left = || {
             deadline
                 .saturating_duration_since(Instant::now())
@@ -1076,19 +1104,54 @@ impl<F: Flavor> spi::Listener for VerbsListener<F> {
         cfg: &EndpointConfig<'_, VerbsCq<F>>,
         timeout: Duration,
     ) -> Result<VerbsEndpoint<F>> {
-        let d = &self.dom.inner;
-        d.check_cfg(cfg)?;
-        let deadline = Instant::now() + timeout;
-        loop {
-            let Some(ev) = self.mb.wait(deadline) else {
-                return Err(Error::new(
+        self.dom.inner.check_cfg(cfg)?;
+        self.accept_request(cfg, Some(Instant::now() + timeout))?
+            .ok_or_else(|| {
+                Error::new(
                     ErrorKind::TimedOut,
                     format!("no connection request within {timeout:?}"),
-                ));
+                )
+            })
+    }
+
+    fn try_accept(&self, cfg: &EndpointConfig<'_, VerbsCq<F>>) -> Result<Option<VerbsEndpoint<F>>> {
+        self.dom.inner.check_cfg(cfg)?;
+        self.accept_request(cfg, None)
+    }
+}
+
+/// The endpoint's credit area, or (a foreign peer) our own area as a read sink.
+type CreditPair = (Option<CreditArea>, Option<(Arc<Buffer>, Mr)>);
+/// The emulation link and the early receives of an accepted endpoint.
+type AcceptExtras = (Option<EmuLink>, Option<EarlyRing>);
+
+/// Readable while a connection request waits for `try_accept` (the CM thread raises it
+/// when it queues one; taking the last lowers it).
+impl<F: Flavor> AsFd for VerbsListener<F> {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.mb
+            .requests()
+            .fd()
+            .expect("the listener's descriptor is made by listen")
+    }
+}
+
+impl<F: Flavor> VerbsListener<F> {
+    /// Accepts the oldest connection request (the configuration checked), waiting for one
+    /// until `deadline` (`None`: not at all; then `Ok(None)` when none waits). A request
+    /// that cannot be served (another device, a malformed frame) is refused and the next
+    /// one taken; a failure to answer one is returned once the deadline passed (at once
+    /// without one). The body of `accept` and `try_accept`.
+    fn accept_request(
+        &self,
+        cfg: &EndpointConfig<'_, VerbsCq<F>>,
+        deadline: Option<Instant>,
+    ) -> Result<Option<VerbsEndpoint<F>>> {
+        let d = &self.dom.inner;
+        loop {
+            let Some(ev) = self.mb.take_request(deadline) else {
+                return Ok(None);
             };
-            if ev.kind != cm_event::RDMA_CM_EVENT_CONNECT_REQUEST {
-                continue;
-            }
             // SAFETY: a connection request's identifier is new and adopted only here.
             #[allow(unsafe_code)]
             let mut id = unsafe { CmId::adopt(ev.id) };
@@ -1125,7 +1188,7 @@ impl<F: Flavor> spi::Listener for VerbsListener<F> {
                         hw_sq_cap,
                     );
                     self.dom.go_live(&ep, &mb);
-                    return Ok(ep);
+                    return Ok(Some(ep));
                 }
                 Err(e) => {
                     if e.kind() == ErrorKind::InvalidArgument {
@@ -1136,21 +1199,14 @@ impl<F: Flavor> spi::Listener for VerbsListener<F> {
                         return Err(e);
                     }
                     tracing::warn!("accepting a connection failed: {e}");
-                    if Instant::now() >= deadline {
+                    if deadline.is_none_or(|t| Instant::now() >= t) {
                         return Err(e);
                     }
                 }
             }
         }
     }
-}
 
-/// The endpoint's credit area, or (a foreign peer) our own area as a read sink.
-type CreditPair = (Option<CreditArea>, Option<(Arc<Buffer>, Mr)>);
-/// The emulation link and the early receives of an accepted endpoint.
-type AcceptExtras = (Option<EmuLink>, Option<EarlyRing>);
-
-impl<F: Flavor> VerbsListener<F> {
     fn finish_accept(
         &self,
         id: &mut CmId,

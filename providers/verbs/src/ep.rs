@@ -19,8 +19,9 @@ use std::time::{Duration, Instant};
 use fabric_api::pdata::{self, area as credit};
 use fabric_api::spi::Endpoint;
 use fabric_api::{
-    Access, AtomicOp, Buffer, Completion, EndpointState, Error, ErrorKind, OpSet, Opcode,
-    ProviderCode, RecvWr, RegionRef, Result, SendFlags, SendOp, SendWr, Slice, Status,
+    Access, AtomicOp, Buffer, Completion, EndpointEvent, EndpointEvents, EndpointState, Error,
+    ErrorKind, OpSet, Opcode, ProviderCode, RecvWr, RegionRef, Result, SendFlags, SendOp, SendWr,
+    Slice, Status,
 };
 
 use crate::cq::{CompletionTarget, CqInner, CqState};
@@ -441,6 +442,14 @@ pub(crate) struct EpCore {
     foreign: bool,
     /// Receives posted before the accept (a foreign peer may send at once).
     early: Option<EarlyRing>,
+    /// The application's value for this endpoint
+    /// ([`EndpointConfig::ep_context`](fabric_api::spi::EndpointConfig::ep_context)),
+    /// carried by every completion of it, the provider's own included.
+    pub ep_context: u64,
+    /// Connection events: one per change of the ledger's `status` (pushed by
+    /// [`EpCore::leave`], the one place that changes it). A leaf lock: pushed under the
+    /// ledger's lock.
+    events: EndpointEvents,
     /// The ledger. Ranks after completion-queue locks (see [`crate::sync`]): code holding
     /// it never takes a completion queue's lock.
     st: Ranked<Ledger>,
@@ -587,6 +596,7 @@ pub(crate) struct EpParts {
     pub emu: Option<EmuLink>,
     pub foreign: bool,
     pub early: Option<EarlyRing>,
+    pub ep_context: u64,
 }
 
 impl EpCore {
@@ -625,6 +635,8 @@ impl EpCore {
             emu: p.emu,
             foreign: p.foreign,
             early: p.early,
+            ep_context: p.ep_context,
+            events: EndpointEvents::new(),
             st: Ranked::new(
                 Rank::Endpoint,
                 Ledger {
@@ -1360,8 +1372,9 @@ impl EpCore {
             let mut l = self.lock();
             let recs: Vec<RqRec> = l.rq.drain(..).collect();
             for r in recs {
-                cst.ready
-                    .push_back(Completion::flushed(r.context, Opcode::Recv));
+                cst.ready.push_back(
+                    Completion::flushed(r.context, Opcode::Recv).on_endpoint(self.ep_context),
+                );
                 l.graveyard.extend(r._holds);
             }
             self.recv_cq.notify();
@@ -1503,7 +1516,17 @@ impl EpCore {
                 receives = l.rq.len(),
                 "no sign of life from the peer within the dead-peer timeout: endpoint declared dead, its queue pair destroyed; outstanding requests complete RetryExceeded (the oldest) and Flushed"
             );
-            l.status = EndpointState::Error;
+            self.leave(&mut l, || {
+                EndpointEvent::Failed(Error::new(
+                    ErrorKind::RetryExceeded,
+                    format!(
+                        "no sign of life from the peer {} for {} ms (dead-peer timeout {} ms): endpoint declared dead",
+                        self.peer,
+                        quiet.as_millis(),
+                        timeout.as_millis()
+                    ),
+                ))
+            });
             l.attributed = true;
             l.dead_since = Some(Instant::now());
             let _ = self.id.disconnect();
@@ -1531,8 +1554,9 @@ impl EpCore {
         let mut cst = self.recv_cq.lock();
         self.recv_cq.drain(&mut cst);
         for r in rq {
-            cst.ready
-                .push_back(Completion::flushed(r.context, Opcode::Recv));
+            cst.ready.push_back(
+                Completion::flushed(r.context, Opcode::Recv).on_endpoint(self.ep_context),
+            );
         }
         self.recv_cq.notify();
     }
@@ -1617,9 +1641,12 @@ impl EpCore {
                     ?kind,
                     "the peer refused an emulated atomic: endpoint enters the error state"
                 );
-                if l.status == EndpointState::Connected {
-                    l.status = EndpointState::Error;
-                }
+                self.leave(&mut l, || {
+                    EndpointEvent::Failed(Error::new(
+                        kind,
+                        format!("the peer refused an emulated atomic ({kind})"),
+                    ))
+                });
                 l.attributed = true;
                 self.push_user(&self.send_cq, &mut cst, u, Some((kind, None)));
                 let _ = self.id.disconnect();
@@ -1697,7 +1724,15 @@ impl EpCore {
                 rkey = req.rkey,
                 "emulated atomic refused: endpoint enters the error state"
             );
-            l.status = EndpointState::Error;
+            self.leave(&mut l, || {
+                EndpointEvent::Failed(Error::new(
+                    kind,
+                    format!(
+                        "refused the peer's emulated atomic at {:#x} (key {:#x}): {kind}",
+                        req.addr, req.rkey
+                    ),
+                ))
+            });
             l.attributed = true;
             l.kill_after = Some(seq);
             self.note_dead(&mut l);
@@ -1719,9 +1754,12 @@ impl EpCore {
         let mut status = err;
         if status.is_none() && len as usize > room {
             status = Some((ErrorKind::LocalLength, None));
-            if l.status == EndpointState::Connected {
-                l.status = EndpointState::Error;
-            }
+            self.leave(l, || {
+                EndpointEvent::Failed(Error::new(
+                    ErrorKind::LocalLength,
+                    format!("a message of {len} bytes arrived for a receive of {room} bytes"),
+                ))
+            });
         }
         if status.is_none() {
             let mut at = j * EarlyRing::SLOT_LEN;
@@ -1744,6 +1782,7 @@ impl EpCore {
             provider_code: status.and_then(|e| e.1),
             byte_len: if status.is_none() { u64::from(len) } else { 0 },
             imm: None,
+            ep_context: self.ep_context,
         });
         self.recv_cq.notify();
     }
@@ -1957,7 +1996,32 @@ impl EpCore {
                 vendor = w.vendor_err,
                 "error completion: endpoint enters the error state"
             );
-            l.status = EndpointState::Error;
+            let what = if w.wr_id & RECV_BIT != 0 {
+                "a receive".to_string()
+            } else {
+                match l.sq.iter().find(|r| r.seq == w.wr_id).and_then(|r| r.user) {
+                    Some(u) => format!("a {:?} request", u.opcode),
+                    None => "a request of the provider's".to_string(),
+                }
+            };
+            let (kind, code) = err.unwrap_or_else(|| {
+                let (k, c) = status::error_of(w.status);
+                (k, Some(c))
+            });
+            self.leave(&mut l, || {
+                let e = Error::new(
+                    kind,
+                    format!(
+                        "{what} completed with {} (vendor error {:#x}): endpoint in the error state",
+                        status::name_of(w.status),
+                        w.vendor_err
+                    ),
+                );
+                EndpointEvent::Failed(match code {
+                    Some(c) => e.with_code(c),
+                    None => e,
+                })
+            });
         }
         if is_early(w.wr_id) {
             let j = (w.wr_id & 0xffff) as usize;
@@ -2014,6 +2078,7 @@ impl EpCore {
                 provider_code: err.and_then(|e| e.1),
                 byte_len,
                 imm,
+                ep_context: self.ep_context,
             });
         } else {
             let Some(pos) = l.sq.iter().position(|r| r.seq == w.wr_id) else {
@@ -2115,13 +2180,19 @@ impl EpCore {
             return None;
         }
         l.attributed = true;
-        if l.status == EndpointState::Connected {
-            l.status = EndpointState::Error;
-        }
-        Some(match op {
+        let kind = match op {
             Opcode::Send => ErrorKind::RemoteInvalidRequest,
             _ => ErrorKind::RemoteAccess,
-        })
+        };
+        self.leave(l, || {
+            EndpointEvent::Failed(Error::new(
+                kind,
+                format!(
+                    "the connection died without the peer's close mark while a {op:?} was outstanding: the peer most likely refused it ({kind}; the device does not tell)"
+                ),
+            ))
+        });
+        Some(kind)
     }
 
     fn push_user(
@@ -2140,6 +2211,7 @@ impl EpCore {
                 provider_code: None,
                 byte_len: u.byte_len,
                 imm: None,
+                ep_context: self.ep_context,
             }),
             Some((kind, code)) => cst.ready.push_back(Completion {
                 context: u.context,
@@ -2148,6 +2220,7 @@ impl EpCore {
                 provider_code: code,
                 byte_len: 0,
                 imm: None,
+                ep_context: self.ep_context,
             }),
         }
     }
@@ -2236,6 +2309,55 @@ impl EpCore {
 
     // ----- state ------------------------------------------------------------------------
 
+    /// Leaves `Connected` for the state `event` stands for, and reports `event` (ledger
+    /// lock held). Every change of the endpoint's status goes through here, and the status
+    /// only ever changes from `Connected`, so the endpoint reports exactly one event per
+    /// change: the first cause wins, later ones (a close after a failure) change nothing.
+    /// Returns whether the state changed.
+    fn leave(&self, l: &mut Ledger, event: impl FnOnce() -> EndpointEvent) -> bool {
+        if l.status != EndpointState::Connected {
+            return false;
+        }
+        let ev = event();
+        l.status = ev.state();
+        tracing::debug!(qp = self.qpn, event = ?ev, "endpoint state changed");
+        self.events.push(ev);
+        true
+    }
+
+    /// Takes the oldest unread connection event.
+    pub fn next_event(&self) -> Option<EndpointEvent> {
+        self.events.next()
+    }
+
+    /// The descriptor readable while a connection event is unread.
+    pub fn event_fd(&self) -> Result<std::os::fd::BorrowedFd<'_>> {
+        self.events.fd()
+    }
+
+    /// What a queue pair that died under us means: the peer's close when it left its close
+    /// mark (on iWARP a graceful close is told apart from a failure by that mark in our
+    /// credit area), else a failure saying `how` it was noticed.
+    fn dead_event(&self, how: &str) -> EndpointEvent {
+        if self.peer_closed() {
+            EndpointEvent::PeerClosed
+        } else if self.iwarp() {
+            EndpointEvent::Failed(Error::new(
+                ErrorKind::RetryExceeded,
+                format!(
+                    "{how} without the peer's close mark: the peer's process ended, it terminated the connection, or a stack not of this framework closed it (siw does not tell which)"
+                ),
+            ))
+        } else {
+            EndpointEvent::Failed(Error::new(
+                ErrorKind::RemoteOperation,
+                format!(
+                    "{how}: the peer refused one of its requests, or the connection failed (the device reports no completion for it here)"
+                ),
+            ))
+        }
+    }
+
     /// The state, refreshed from the queue pair (a remote error leaves no completion at
     /// the responder on InfiniBand transports: its queue pair just enters ERR).
     pub fn state(self: &Arc<Self>) -> EndpointState {
@@ -2244,7 +2366,9 @@ impl EpCore {
         if l.status == EndpointState::Connected && !l.torn_down && due {
             l.qp_checked = Some(Instant::now());
             if let Ok(ffi::QPS_ERR) = self.id.qp_state() {
-                l.status = self.dead_state();
+                self.leave(&mut l, || {
+                    self.dead_event("the queue pair entered the error state")
+                });
                 self.note_dead(&mut l);
                 drop(l);
                 self.flush_dead();
@@ -2252,16 +2376,6 @@ impl EpCore {
             }
         }
         l.status
-    }
-
-    /// What a queue pair that died under us means: on iWARP, a graceful close is told
-    /// apart from a failure by the peer's close mark in our credit area.
-    fn dead_state(&self) -> EndpointState {
-        if self.peer_closed() {
-            EndpointState::Disconnected
-        } else {
-            EndpointState::Error
-        }
     }
 
     /// The peer wrote its close mark: into the credit area, or, for a peer without credits
@@ -2275,16 +2389,18 @@ impl EpCore {
         }
     }
 
-    /// The peer disconnected (connection-manager thread).
-    pub fn on_disconnected(self: &Arc<Self>) {
+    /// The peer disconnected (connection-manager thread), or, with `failure`, the
+    /// connection manager reported the connection failed (the device was removed).
+    pub fn on_disconnected(self: &Arc<Self>, failure: Option<Error>) {
         let mut l = self.lock();
         if l.status == EndpointState::Connected {
-            l.status = if self.iwarp() {
-                self.dead_state()
-            } else {
-                EndpointState::Disconnected
+            let event = match failure {
+                Some(e) => EndpointEvent::Failed(e),
+                None if self.iwarp() => self.dead_event("the connection ended"),
+                None => EndpointEvent::PeerClosed,
             };
-            tracing::debug!(qp = self.qpn, state = ?l.status, "peer disconnected");
+            tracing::debug!(qp = self.qpn, ?event, "peer disconnected");
+            self.leave(&mut l, || event);
         }
         if !l.torn_down {
             // InfiniBand transports: this moves our queue pair to ERR, flushing it. Under
@@ -2301,9 +2417,7 @@ impl EpCore {
         let mut l = self.lock();
         let was = l.status == EndpointState::Connected && !l.torn_down;
         l.closed_locally = true;
-        if l.status == EndpointState::Connected {
-            l.status = EndpointState::Disconnected;
-        }
+        self.leave(&mut l, || EndpointEvent::Closed);
         self.note_dead(&mut l);
         let mut marker_seq = None;
         if was && self.credit.is_some() && self.send_cq.reserve_internal(1) {
@@ -2337,6 +2451,52 @@ impl EpCore {
             }
         }
         self.flush_dead();
+    }
+
+    /// Waits up to `timeout` until every application send-queue request posted before the
+    /// call has completed: its completion queued (or, unsignaled and successful, its slot
+    /// given back). Makes progress itself by reaping the send queue's device queue, which
+    /// hands completions to their endpoints; held-back requests (credits), emulated
+    /// atomics and a dead endpoint's flushes progress on the domain's helper thread
+    /// meanwhile. Receives are not waited for.
+    ///
+    /// Lock order ([`crate::sync`]): reaping takes the queue's lock and, under it, this
+    /// endpoint's ledger lock; so the ledger's lock is taken only between reaps, never
+    /// held across one.
+    pub fn drain(&self, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        let deadline = start + timeout;
+        // Requests posted before the call: sequence numbers below the next one.
+        let mark = self.lock().next_seq;
+        let outstanding = || {
+            self.lock()
+                .sq
+                .iter()
+                .filter(|r| r.user.is_some() && r.seq < mark)
+                .count()
+        };
+        let mut nap = Duration::from_micros(20);
+        loop {
+            self.send_cq.reap();
+            let left = outstanding();
+            if left == 0 {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::new(
+                    ErrorKind::TimedOut,
+                    format!(
+                        "drain: {left} send-queue operation{} of this endpoint still outstanding after {timeout:?}",
+                        if left == 1 { "" } else { "s" }
+                    ),
+                ));
+            }
+            // Short naps: the completion channel belongs to the application's waits (its
+            // events are consumed by `wait` and `arm`), so a drain does not take them.
+            std::thread::sleep(nap.min(deadline - now));
+            nap = (nap * 2).min(Duration::from_millis(1));
+        }
     }
 
     /// Final teardown (the application dropped the endpoint): close, destroy the queue
@@ -2463,6 +2623,15 @@ impl<F: Flavor> Endpoint for VerbsEndpoint<F> {
     fn close(&self) -> Result<()> {
         self.core.close();
         Ok(())
+    }
+    fn drain(&self, timeout: Duration) -> Result<()> {
+        self.core.drain(timeout)
+    }
+    fn next_event(&self) -> Option<EndpointEvent> {
+        self.core.next_event()
+    }
+    fn event_fd(&self) -> Result<std::os::fd::BorrowedFd<'_>> {
+        self.core.event_fd()
     }
 }
 

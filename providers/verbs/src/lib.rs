@@ -17,6 +17,13 @@
 //!   pairs connected through rdma_cm with private data ([`VerbsEndpoint`],
 //!   [`VerbsListener`]), and a connection-manager thread per domain that turns peer
 //!   disconnects into `EndpointState::Disconnected` and flushes.
+//! * Connections without blocking the application: a listener's descriptor is readable
+//!   while a connection request waits (the connection-manager thread raises it), and
+//!   [`VerbsConnecting`] runs the blocking connection setup on a short-lived thread of its
+//!   own. Every change of an endpoint's state is reported once as an
+//!   [`EndpointEvent`](fabric_api::EndpointEvent) (`next_event`, `event_fd`), and every
+//!   completion carries the endpoint's `ep_context`, the provider's own completions
+//!   (flushes, emulated atomics and immediate data, delivery reads) included.
 //!
 //! # Memory registration and deregistration
 //! A region with remote rights is registered twice: a *local* registration (its `lkey`
@@ -110,6 +117,7 @@
 #![deny(unsafe_code)]
 
 mod cm;
+mod connecting;
 mod cq;
 pub mod device;
 mod domain;
@@ -131,6 +139,7 @@ use std::net::IpAddr;
 
 use fabric_api::Emulation;
 
+pub use connecting::VerbsConnecting;
 pub use cq::VerbsCq;
 pub use device::{DeviceFacts, LinkLayer, PortFacts, ProbeError, Transport};
 pub use domain::{provider_info, VerbsDomain, VerbsListener};
