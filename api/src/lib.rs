@@ -102,6 +102,7 @@ pub mod caps;
 pub mod error;
 #[allow(unsafe_code)]
 pub mod mem;
+pub mod notify;
 pub mod pdata;
 pub mod region;
 pub mod spi;
@@ -110,6 +111,7 @@ pub mod wr;
 pub use caps::{Availability, Capabilities, DeviceInfo, Emulation, Limits, OpSet, ProviderInfo};
 pub use error::{Error, ErrorKind, ProviderCode, Result};
 pub use mem::{send_gather, Buffer, IoPiece};
+pub use notify::{EndpointEvent, EndpointEvents, Notifier};
 pub use region::{Access, MemoryRegion, RegionRef, Registration, RemoteDesc, Slice};
 pub use wr::{
     AtomicOp, Completion, EndpointState, Opcode, RecvWr, RemoteAddr, SendFlags, SendOp, SendWr,

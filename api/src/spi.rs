@@ -6,10 +6,11 @@
 
 use std::fmt::Debug;
 use std::net::SocketAddr;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use crate::notify::EndpointEvent;
 use crate::{
     Access, Buffer, Completion, EndpointState, MemoryRegion, ProviderInfo, RecvWr, Result, SendWr,
 };
@@ -29,6 +30,10 @@ pub struct EndpointConfig<'a, C> {
     pub private_data: &'a [u8],
     /// Connection establishment timeout.
     pub timeout: Duration,
+    /// A value of the application's, carried by every completion of this endpoint
+    /// ([`Completion::ep_context`]): which endpoint a completion came from, on a queue
+    /// that many endpoints share. 0 unless set.
+    pub ep_context: u64,
 }
 
 impl<C> Clone for EndpointConfig<'_, C> {
@@ -49,6 +54,7 @@ impl<'a, C> EndpointConfig<'a, C> {
             rq_depth: 256,
             private_data: &[],
             timeout: Duration::from_secs(10),
+            ep_context: 0,
         }
     }
 
@@ -64,6 +70,7 @@ impl<'a, C> EndpointConfig<'a, C> {
             rq_depth: self.rq_depth,
             private_data: self.private_data,
             timeout: self.timeout,
+            ep_context: self.ep_context,
         }
     }
 }
@@ -76,6 +83,8 @@ pub trait Domain: Send + Sync + Debug {
     type Endpoint: Endpoint;
     /// The provider's listener.
     type Listener: Listener<Cq = Self::Cq, Endpoint = Self::Endpoint>;
+    /// The provider's connection in the making ([`connect_start`](Self::connect_start)).
+    type Connecting: Connecting<Endpoint = Self::Endpoint>;
 
     /// Provider name, device and capabilities of this domain.
     fn info(&self) -> &ProviderInfo;
@@ -85,16 +94,50 @@ pub trait Domain: Send + Sync + Debug {
     fn create_cq(&self, capacity: usize) -> Result<Self::Cq>;
     /// Listens for connections at `addr` (port 0 picks one).
     fn listen(&self, addr: SocketAddr) -> Result<Self::Listener>;
-    /// Connects a reliable endpoint to a listener at `addr`.
+    /// Connects a reliable endpoint to a listener at `addr`. Blocks until the peer's
+    /// application has accepted (or refused) the connection, or `cfg.timeout` passed: two
+    /// applications that each connect to the other before accepting need
+    /// [`connect_start`](Self::connect_start) instead.
     fn connect(
         &self,
         addr: SocketAddr,
         cfg: &EndpointConfig<'_, Self::Cq>,
     ) -> Result<Self::Endpoint>;
+    /// Starts connecting to a listener at `addr` and returns at once, whatever the peer
+    /// does; [`Connecting::poll`] finishes the connection. `cfg.timeout` counts from here.
+    /// The queues of `cfg` are shared with the connection in the making (they are handles),
+    /// its private data copied.
+    fn connect_start(
+        &self,
+        addr: SocketAddr,
+        cfg: &EndpointConfig<'_, Self::Cq>,
+    ) -> Result<Self::Connecting>;
+}
+
+/// A connection being set up without blocking the application (contract section 7):
+/// what [`Domain::connect_start`] returns.
+///
+/// Its descriptor ([`AsFd`]) is readable when [`poll`](Self::poll) may make progress,
+/// level-triggered, with spurious readiness allowed (poll again). A connection that
+/// nobody answers makes no readiness: wait at most until [`deadline`](Self::deadline),
+/// then poll, which reports the time-out. Dropping an unfinished connection abandons it.
+pub trait Connecting: Send + Debug + AsFd {
+    /// The endpoint it becomes.
+    type Endpoint;
+    /// Makes progress without blocking: `Ok(Some(endpoint))` once connected, `Ok(None)`
+    /// while the peer has not answered yet, and the connection's error once it failed
+    /// (refused, rejected, unreachable, timed out). After a result other than `Ok(None)`,
+    /// further calls return [`ErrorKind::InvalidState`](crate::ErrorKind::InvalidState).
+    fn poll(&mut self) -> Result<Option<Self::Endpoint>>;
+    /// When the connection times out ([`EndpointConfig::timeout`] after it started).
+    fn deadline(&self) -> Instant;
 }
 
 /// Accepts connection requests.
-pub trait Listener: Send + Sync + Debug {
+///
+/// Its descriptor ([`AsFd`]) is readable while a connection request waits for
+/// [`try_accept`](Self::try_accept) (level-triggered; spurious readiness allowed).
+pub trait Listener: Send + Sync + Debug + AsFd {
     /// Completion queue type.
     type Cq;
     /// Endpoint type.
@@ -107,6 +150,10 @@ pub trait Listener: Send + Sync + Debug {
         cfg: &EndpointConfig<'_, Self::Cq>,
         timeout: Duration,
     ) -> Result<Self::Endpoint>;
+    /// Accepts a connection request that is already waiting, without waiting for one:
+    /// `Ok(None)` when none is. Answering the request may still take a network round
+    /// trip on some providers, never the peer application's action.
+    fn try_accept(&self, cfg: &EndpointConfig<'_, Self::Cq>) -> Result<Option<Self::Endpoint>>;
 }
 
 /// A completion queue.
@@ -164,6 +211,30 @@ pub trait Endpoint: Send + Sync + Debug {
     /// peer: a subset of the provider's capabilities (a peer that is not of this framework
     /// may not speak the provider's extensions or flow control).
     fn ops(&self) -> crate::OpSet;
-    /// Graceful close: outstanding operations complete Flushed on both sides.
+    /// Graceful, abortive close: the connection goes down now, and every outstanding
+    /// operation on both sides completes Flushed. A send that completes Flushed may still
+    /// have been delivered (it was on the wire when the close came); one that completed
+    /// Success before was. [`close_drained`](Self::close_drained) lets what was posted
+    /// finish first.
     fn close(&self) -> Result<()>;
+    /// Waits up to `timeout` until every send-queue operation (sends, writes, reads,
+    /// atomics) posted before the call has completed here (its completion, if signaled, is
+    /// in the queue); returns [`ErrorKind::TimedOut`](crate::ErrorKind::TimedOut) naming
+    /// how many are left otherwise. Receives are not waited for: they complete only when
+    /// the peer sends. Makes progress itself; the application need not poll meanwhile
+    /// (but its completion queues need room).
+    fn drain(&self, timeout: Duration) -> Result<()>;
+    /// Draining close: [`drain`](Self::drain) up to `timeout`, then [`close`](Self::close).
+    /// Returns the drain's error when something had to be flushed after all.
+    fn close_drained(&self, timeout: Duration) -> Result<()> {
+        let drained = self.drain(timeout);
+        self.close()?;
+        drained
+    }
+    /// Takes the oldest unread connection event: the endpoint failed, was closed, or the
+    /// peer closed it. One event per change of [`state`](Self::state), in order.
+    fn next_event(&self) -> Option<EndpointEvent>;
+    /// A descriptor readable while [`next_event`](Self::next_event) has an event
+    /// (level-triggered); created on first use, so endpoints nobody waits on cost none.
+    fn event_fd(&self) -> Result<BorrowedFd<'_>>;
 }

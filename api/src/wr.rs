@@ -257,6 +257,9 @@ pub struct Completion {
     pub byte_len: u64,
     /// Immediate data, if the message carried any.
     pub imm: Option<u32>,
+    /// The [`EndpointConfig::ep_context`](crate::spi::EndpointConfig::ep_context) of the
+    /// endpoint the operation was posted on: which endpoint a completion came from.
+    pub ep_context: u64,
 }
 
 impl Completion {
@@ -269,7 +272,14 @@ impl Completion {
             provider_code: None,
             byte_len: 0,
             imm: None,
+            ep_context: 0,
         }
+    }
+
+    /// The same completion, naming the endpoint by its `ep_context`.
+    pub fn on_endpoint(mut self, ep_context: u64) -> Self {
+        self.ep_context = ep_context;
+        self
     }
 
     /// True when the status is success.
