@@ -11,13 +11,13 @@
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use enum_dispatch::enum_dispatch;
 use fabric_api::spi::{self, EndpointConfig};
 use fabric_api::{
-    Access, Buffer, Completion, EndpointState, Error, MemoryRegion, OpSet, ProviderInfo, RecvWr,
-    Result, SendWr,
+    Access, Buffer, Completion, EndpointEvent, EndpointState, Error, MemoryRegion, OpSet,
+    ProviderInfo, RecvWr, Result, SendWr,
 };
 use fabric_hook::{HookCq, HookDomain, HookEndpoint, HookListener};
 #[cfg(feature = "verbs")]
@@ -43,8 +43,16 @@ pub trait DomainOps {
     fn create_cq(&self, capacity: usize) -> Result<AnyCq>;
     /// Listens at `addr`.
     fn listen(&self, addr: SocketAddr) -> Result<AnyListener>;
-    /// Connects to a listener at `addr`.
+    /// Connects to a listener at `addr`; blocks until the peer's application accepts
+    /// (see [`spi::Domain::connect`]).
     fn connect(&self, addr: SocketAddr, cfg: &EndpointConfig<'_, AnyCq>) -> Result<AnyEndpoint>;
+    /// Starts connecting to a listener at `addr` without blocking; [`AnyConnecting::poll`]
+    /// finishes (see [`spi::Domain::connect_start`]).
+    fn connect_start(
+        &self,
+        addr: SocketAddr,
+        cfg: &EndpointConfig<'_, AnyCq>,
+    ) -> Result<AnyConnecting>;
 }
 
 /// A completion queue of any provider.
@@ -83,8 +91,18 @@ pub trait EndpointOps {
     fn emulated(&self) -> Vec<String>;
     /// Operations and guarantees this connection provides after negotiation.
     fn ops(&self) -> OpSet;
-    /// Graceful close.
+    /// Abortive close: outstanding operations complete Flushed (see
+    /// [`spi::Endpoint::close`]).
     fn close(&self) -> Result<()>;
+    /// Waits until what was posted on the send queue has completed (see
+    /// [`spi::Endpoint::drain`]).
+    fn drain(&self, timeout: Duration) -> Result<()>;
+    /// Draining close: [`drain`](Self::drain), then [`close`](Self::close).
+    fn close_drained(&self, timeout: Duration) -> Result<()>;
+    /// The oldest unread connection event (see [`spi::Endpoint::next_event`]).
+    fn next_event(&self) -> Option<EndpointEvent>;
+    /// A descriptor readable while a connection event is unread.
+    fn event_fd(&self) -> Result<BorrowedFd<'_>>;
 }
 
 /// A listener of any provider.
@@ -94,6 +112,11 @@ pub trait ListenerOps {
     fn local_addr(&self) -> SocketAddr;
     /// Accepts the next connection request within `timeout`.
     fn accept(&self, cfg: &EndpointConfig<'_, AnyCq>, timeout: Duration) -> Result<AnyEndpoint>;
+    /// Accepts a request that is already waiting; `None` when none is.
+    fn try_accept(&self, cfg: &EndpointConfig<'_, AnyCq>) -> Result<Option<AnyEndpoint>>;
+    /// The descriptor readable while a connection request waits (also [`AsFd`] on
+    /// [`AnyListener`]).
+    fn notify_fd(&self) -> BorrowedFd<'_>;
 }
 
 /// A domain of the selected provider.
@@ -179,6 +202,75 @@ pub enum AnyListener {
     Hooked(HookListener<ErasedListener>),
 }
 
+/// The listener's descriptor: see [`ListenerOps::notify_fd`].
+impl AsFd for AnyListener {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.notify_fd()
+    }
+}
+
+/// A connection in the making, of any provider: see [`spi::Connecting`].
+pub struct AnyConnecting(Box<dyn spi::Connecting<Endpoint = AnyEndpoint>>);
+
+impl std::fmt::Debug for AnyConnecting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("AnyConnecting").field(&self.0).finish()
+    }
+}
+
+/// A provider's connection in the making, handing out its endpoint as an [`AnyEndpoint`].
+#[derive(Debug)]
+struct Widened<C>(C);
+
+impl<C: AsFd> AsFd for Widened<C> {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+impl<C> spi::Connecting for Widened<C>
+where
+    C: spi::Connecting,
+    C::Endpoint: Into<AnyEndpoint>,
+{
+    type Endpoint = AnyEndpoint;
+    fn poll(&mut self) -> Result<Option<AnyEndpoint>> {
+        Ok(self.0.poll()?.map(Into::into))
+    }
+    fn deadline(&self) -> Instant {
+        self.0.deadline()
+    }
+}
+
+impl AnyConnecting {
+    /// Makes progress without blocking: the endpoint once connected, `None` while the
+    /// peer has not answered (see [`spi::Connecting::poll`]).
+    pub fn poll(&mut self) -> Result<Option<AnyEndpoint>> {
+        self.0.poll()
+    }
+
+    /// When the connection times out.
+    pub fn deadline(&self) -> Instant {
+        self.0.deadline()
+    }
+}
+
+impl AsFd for AnyConnecting {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+impl spi::Connecting for AnyConnecting {
+    type Endpoint = AnyEndpoint;
+    fn poll(&mut self) -> Result<Option<AnyEndpoint>> {
+        self.0.poll()
+    }
+    fn deadline(&self) -> Instant {
+        self.0.deadline()
+    }
+}
+
 /// Ties a provider's completion-queue type to its [`AnyCq`] variant.
 pub trait ProviderTypes: spi::CompletionQueue + Sized {
     /// The provider's queue inside `cq`, or an error when `cq` belongs to another provider.
@@ -243,6 +335,7 @@ where
     D::Cq: ProviderTypes + Into<AnyCq>,
     D::Endpoint: Into<AnyEndpoint>,
     D::Listener: Into<AnyListener>,
+    D::Connecting: 'static,
 {
     fn info(&self) -> &ProviderInfo {
         spi::Domain::info(self)
@@ -258,6 +351,14 @@ where
     }
     fn connect(&self, addr: SocketAddr, cfg: &EndpointConfig<'_, AnyCq>) -> Result<AnyEndpoint> {
         spi::Domain::connect(self, addr, &narrow(cfg)?).map(Into::into)
+    }
+    fn connect_start(
+        &self,
+        addr: SocketAddr,
+        cfg: &EndpointConfig<'_, AnyCq>,
+    ) -> Result<AnyConnecting> {
+        let c = spi::Domain::connect_start(self, addr, &narrow(cfg)?)?;
+        Ok(AnyConnecting(Box::new(Widened(c))))
     }
 }
 
@@ -307,6 +408,18 @@ impl<E: spi::Endpoint> EndpointOps for E {
     fn close(&self) -> Result<()> {
         spi::Endpoint::close(self)
     }
+    fn drain(&self, timeout: Duration) -> Result<()> {
+        spi::Endpoint::drain(self, timeout)
+    }
+    fn close_drained(&self, timeout: Duration) -> Result<()> {
+        spi::Endpoint::close_drained(self, timeout)
+    }
+    fn next_event(&self) -> Option<EndpointEvent> {
+        spi::Endpoint::next_event(self)
+    }
+    fn event_fd(&self) -> Result<BorrowedFd<'_>> {
+        spi::Endpoint::event_fd(self)
+    }
 }
 
 impl<L> ListenerOps for L
@@ -320,6 +433,12 @@ where
     }
     fn accept(&self, cfg: &EndpointConfig<'_, AnyCq>, timeout: Duration) -> Result<AnyEndpoint> {
         spi::Listener::accept(self, &narrow(cfg)?, timeout).map(Into::into)
+    }
+    fn try_accept(&self, cfg: &EndpointConfig<'_, AnyCq>) -> Result<Option<AnyEndpoint>> {
+        Ok(spi::Listener::try_accept(self, &narrow(cfg)?)?.map(Into::into))
+    }
+    fn notify_fd(&self) -> BorrowedFd<'_> {
+        self.as_fd()
     }
 }
 
@@ -352,6 +471,33 @@ pub struct ErasedEndpoint(pub AnyEndpoint);
 #[derive(Debug)]
 pub struct ErasedListener(pub AnyListener);
 
+/// A connection in the making of any provider seen through the provider traits (inside a
+/// hooked one).
+#[derive(Debug)]
+pub struct ErasedConnecting(pub AnyConnecting);
+
+impl AsFd for ErasedConnecting {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+impl spi::Connecting for ErasedConnecting {
+    type Endpoint = ErasedEndpoint;
+    fn poll(&mut self) -> Result<Option<ErasedEndpoint>> {
+        Ok(self.0.poll()?.map(ErasedEndpoint))
+    }
+    fn deadline(&self) -> Instant {
+        self.0.deadline()
+    }
+}
+
+impl AsFd for ErasedListener {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
 fn widen<'a>(cfg: &EndpointConfig<'a, ErasedCq>) -> EndpointConfig<'a, AnyCq> {
     cfg.with_cqs(&cfg.send_cq.0, &cfg.recv_cq.0)
 }
@@ -360,6 +506,7 @@ impl spi::Domain for ErasedDomain {
     type Cq = ErasedCq;
     type Endpoint = ErasedEndpoint;
     type Listener = ErasedListener;
+    type Connecting = ErasedConnecting;
 
     fn info(&self) -> &ProviderInfo {
         self.0.info()
@@ -379,6 +526,15 @@ impl spi::Domain for ErasedDomain {
         cfg: &EndpointConfig<'_, ErasedCq>,
     ) -> Result<ErasedEndpoint> {
         self.0.connect(addr, &widen(cfg)).map(ErasedEndpoint)
+    }
+    fn connect_start(
+        &self,
+        addr: SocketAddr,
+        cfg: &EndpointConfig<'_, ErasedCq>,
+    ) -> Result<ErasedConnecting> {
+        self.0
+            .connect_start(addr, &widen(cfg))
+            .map(ErasedConnecting)
     }
 }
 
@@ -431,6 +587,15 @@ impl spi::Endpoint for ErasedEndpoint {
     fn close(&self) -> Result<()> {
         self.0.close()
     }
+    fn drain(&self, timeout: Duration) -> Result<()> {
+        self.0.drain(timeout)
+    }
+    fn next_event(&self) -> Option<EndpointEvent> {
+        self.0.next_event()
+    }
+    fn event_fd(&self) -> Result<BorrowedFd<'_>> {
+        self.0.event_fd()
+    }
 }
 
 impl spi::Listener for ErasedListener {
@@ -446,6 +611,9 @@ impl spi::Listener for ErasedListener {
         timeout: Duration,
     ) -> Result<ErasedEndpoint> {
         self.0.accept(&widen(cfg), timeout).map(ErasedEndpoint)
+    }
+    fn try_accept(&self, cfg: &EndpointConfig<'_, ErasedCq>) -> Result<Option<ErasedEndpoint>> {
+        Ok(self.0.try_accept(&widen(cfg))?.map(ErasedEndpoint))
     }
 }
 

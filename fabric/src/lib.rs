@@ -145,8 +145,8 @@ pub mod tokio;
 
 pub use config::{discover, SelectionReport, Selector, PROVIDER_NAMES};
 pub use dispatch::{
-    AnyCq, AnyDomain, AnyEndpoint, AnyListener, CqOps, DomainOps, EndpointOps, ErasedCq,
-    ErasedDomain, ErasedEndpoint, ErasedListener, ListenerOps,
+    AnyConnecting, AnyCq, AnyDomain, AnyEndpoint, AnyListener, CqOps, DomainOps, EndpointOps,
+    ErasedConnecting, ErasedCq, ErasedDomain, ErasedEndpoint, ErasedListener, ListenerOps,
 };
 pub use fabric_api::spi::EndpointConfig;
 pub use fabric_api::*;
@@ -161,11 +161,12 @@ pub use fabric_verbs as verbs;
 /// Everything an application needs in scope.
 pub mod prelude {
     pub use crate::dispatch::{
-        AnyCq, AnyDomain, AnyEndpoint, AnyListener, CqOps, DomainOps, EndpointOps, ListenerOps,
+        AnyConnecting, AnyCq, AnyDomain, AnyEndpoint, AnyListener, CqOps, DomainOps, EndpointOps,
+        ListenerOps,
     };
     pub use fabric_api::spi::EndpointConfig;
     pub use fabric_api::{
-        Access, Buffer, Completion, EndpointState, ErrorKind, MemoryRegion, OpSet, Opcode, RecvWr,
-        RemoteAddr, RemoteDesc, SendWr, Status,
+        Access, Buffer, Completion, EndpointEvent, EndpointState, ErrorKind, MemoryRegion, OpSet,
+        Opcode, RecvWr, RemoteAddr, RemoteDesc, SendWr, Status,
     };
 }

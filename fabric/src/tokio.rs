@@ -8,8 +8,10 @@
 //! goes on as without tokio (the tcp provider's progress thread, the device).
 //!
 //! [`AsyncCq::completion`] awaits the next completion; [`AsyncCq`] is also a
-//! [`Stream`] of them. Connecting and accepting still block (run them in
-//! `tokio::task::spawn_blocking`, or before the runtime starts).
+//! [`Stream`] of them. [`connect`] and [`accept`] set up connections without blocking the
+//! runtime (over [`DomainOps::connect_start`] and [`ListenerOps::try_accept`] and their
+//! descriptors), and [`next_event`] awaits an endpoint's connection event (failed,
+//! closed, closed by the peer).
 //!
 //! ```no_run
 //! # async fn demo(cq: fabric::AnyCq) -> fabric::Result<()> {
@@ -30,7 +32,10 @@ use futures_core::Stream;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
-use crate::{AnyCq, Completion, CqOps, Result};
+use crate::{
+    AnyConnecting, AnyCq, AnyDomain, AnyEndpoint, AnyListener, Completion, CqOps, DomainOps,
+    EndpointConfig, EndpointEvent, EndpointOps, ListenerOps, Result,
+};
 
 /// Completions taken from the queue per poll.
 const BATCH: usize = 64;
@@ -117,6 +122,79 @@ impl AsyncCq {
     }
 }
 
+/// A descriptor borrowed for one wait: the object owning it outlives the registration
+/// (the functions below hold the borrow for as long as their `AsyncFd` lives).
+struct Borrowed(RawFd);
+
+impl AsRawFd for Borrowed {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+/// Registers `fd` with the reactor and runs `attempt` until it gives something: after each
+/// attempt that gives nothing, sleeps until the descriptor is readable (at most until
+/// `deadline`, when given). Readiness is cleared before the next attempt, so a
+/// notification after an attempt is never lost.
+async fn until_ready<T>(
+    fd: RawFd,
+    deadline: Option<std::time::Instant>,
+    mut attempt: impl FnMut() -> Result<Option<T>>,
+) -> Result<T> {
+    #[allow(deprecated)] // see `AsyncCq::new`
+    let afd = AsyncFd::with_interest(Borrowed(fd), Interest::READABLE)?;
+    loop {
+        if let Some(t) = attempt()? {
+            return Ok(t);
+        }
+        let ready = afd.readable();
+        let mut guard = match deadline {
+            None => ready.await?,
+            Some(d) => match tokio::time::timeout_at(d.into(), ready).await {
+                Ok(g) => g?,
+                // The attempt reports its own time-out: one more.
+                Err(_) => {
+                    if let Some(t) = attempt()? {
+                        return Ok(t);
+                    }
+                    continue;
+                }
+            },
+        };
+        guard.clear_ready();
+    }
+}
+
+/// Connects to a listener at `addr` without blocking the runtime: the connection is
+/// started at once and finished as the peer answers ([`AnyConnecting`]); fails as
+/// [`DomainOps::connect`] does, also after `cfg.timeout`.
+pub async fn connect(
+    domain: &AnyDomain,
+    addr: std::net::SocketAddr,
+    cfg: &EndpointConfig<'_, AnyCq>,
+) -> Result<AnyEndpoint> {
+    let mut c: AnyConnecting = domain.connect_start(addr, cfg)?;
+    let (fd, deadline) = (c.as_fd().as_raw_fd(), c.deadline());
+    until_ready(fd, Some(deadline), || c.poll()).await
+}
+
+/// Accepts the next connection request on `listener` without blocking the runtime.
+pub async fn accept(
+    listener: &AnyListener,
+    cfg: &EndpointConfig<'_, AnyCq>,
+) -> Result<AnyEndpoint> {
+    until_ready(listener.as_fd().as_raw_fd(), None, || {
+        listener.try_accept(cfg)
+    })
+    .await
+}
+
+/// Waits for the endpoint's next connection event ([`EndpointOps::next_event`]).
+pub async fn next_event(ep: &AnyEndpoint) -> Result<EndpointEvent> {
+    let fd = ep.event_fd()?.as_raw_fd();
+    until_ready(fd, None, || Ok(ep.next_event())).await
+}
+
 /// The queue's completions, in order; never ends (an error is an item, and the stream
 /// goes on after it).
 impl Stream for AsyncCq {
@@ -178,5 +256,81 @@ mod tests {
         });
         let c = got.expect("no completion within 10 s").unwrap();
         assert_eq!((c.context, c.opcode, c.byte_len), (7, Opcode::Recv, 64));
+    }
+
+    /// Two tasks on one thread connect to each other's listener before either accepts
+    /// (a ring of two): nothing blocks the thread, so both connections come up. Then one
+    /// side closes and the other task's event wait wakes with `PeerClosed`.
+    #[test]
+    fn connect_accept_and_events_on_one_thread() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let d = tcp_domain();
+        let (la, lb) = (
+            d.listen("127.0.0.1:0".parse().unwrap()).unwrap(),
+            d.listen("127.0.0.1:0".parse().unwrap()).unwrap(),
+        );
+        let (cqa, cqb) = (d.create_cq(8).unwrap(), d.create_cq(8).unwrap());
+        rt.block_on(async {
+            let (ca, cb) = (
+                EndpointConfig {
+                    ep_context: 1,
+                    ..EndpointConfig::new(&cqa)
+                },
+                EndpointConfig {
+                    ep_context: 2,
+                    ..EndpointConfig::new(&cqb)
+                },
+            );
+            // a connects to b's listener and b to a's, all before any accept.
+            let work = async {
+                tokio::try_join!(
+                    connect(&d, lb.local_addr(), &ca),
+                    connect(&d, la.local_addr(), &cb),
+                    accept(&la, &ca),
+                    accept(&lb, &cb),
+                )
+            };
+            let (a_out, b_out, a_in, b_in) = tokio::time::timeout(Duration::from_secs(10), work)
+                .await
+                .expect("ring of two connected within 10 s")
+                .unwrap();
+            assert_eq!(a_out.state(), EndpointState::Connected);
+            let waiter = next_event(&b_in);
+            a_out.close().unwrap();
+            let ev = tokio::time::timeout(Duration::from_secs(10), waiter)
+                .await
+                .expect("event within 10 s")
+                .unwrap();
+            assert_eq!(ev, EndpointEvent::PeerClosed);
+            assert_eq!(a_out.next_event(), Some(EndpointEvent::Closed));
+            drop((b_out, a_in));
+        });
+    }
+
+    #[test]
+    fn a_refused_connection_is_an_error_not_a_hang() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let d = tcp_domain();
+        // A port nobody listens on: bind one, note it, close it.
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let cq = d.create_cq(8).unwrap();
+        let r = rt.block_on(async {
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                connect(&d, addr, &EndpointConfig::new(&cq)),
+            )
+            .await
+            .expect("answer within 10 s")
+        });
+        assert_eq!(r.unwrap_err().kind(), ErrorKind::ConnectionRefused);
     }
 }

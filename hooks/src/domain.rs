@@ -2,11 +2,12 @@
 
 use std::fmt;
 use std::net::SocketAddr;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use fabric_api::spi::{CompletionQueue, Domain, Endpoint, EndpointConfig, Listener};
+use fabric_api::spi::{CompletionQueue, Connecting, Domain, Endpoint, EndpointConfig, Listener};
 use fabric_api::{Access, Buffer, MemoryRegion, ProviderInfo, RegionRef, Registration, Result};
 
 use crate::config::HookConfig;
@@ -127,6 +128,7 @@ where
     type Cq = HookCq<D::Cq>;
     type Endpoint = HookEndpoint<D::Endpoint>;
     type Listener = HookListener<D::Listener>;
+    type Connecting = HookConnecting<D::Connecting>;
 
     fn info(&self) -> &ProviderInfo {
         self.inner.info()
@@ -208,6 +210,80 @@ where
             }
         }
     }
+
+    fn connect_start(
+        &self,
+        addr: SocketAddr,
+        cfg: &EndpointConfig<'_, Self::Cq>,
+    ) -> Result<Self::Connecting> {
+        let inner_cfg = cfg.with_cqs(cfg.send_cq.inner(), cfg.recv_cq.inner());
+        let inner = self.inner.connect_start(addr, &inner_cfg)?;
+        if self.shared.trace {
+            tracing::debug!(target: TARGET, %addr, "connect started");
+        }
+        Ok(HookConnecting {
+            inner,
+            addr,
+            shared: self.shared.clone(),
+            send: cfg.send_cq.ledger().clone(),
+            recv: cfg.recv_cq.ledger().clone(),
+        })
+    }
+}
+
+/// A connection in the making of any provider, hooked: the endpoint it becomes is hooked.
+pub struct HookConnecting<C> {
+    inner: C,
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    send: Arc<crate::cq::Ledger>,
+    recv: Arc<crate::cq::Ledger>,
+}
+
+impl<C: fmt::Debug> fmt::Debug for HookConnecting<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HookConnecting")
+            .field("inner", &self.inner)
+            .finish()
+    }
+}
+
+impl<C: AsFd> AsFd for HookConnecting<C> {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.inner.as_fd()
+    }
+}
+
+impl<C> Connecting for HookConnecting<C>
+where
+    C: Connecting,
+    C::Endpoint: Endpoint + 'static,
+{
+    type Endpoint = HookEndpoint<C::Endpoint>;
+
+    fn poll(&mut self) -> Result<Option<Self::Endpoint>> {
+        match self.inner.poll() {
+            Ok(Some(ep)) => Ok(Some(HookEndpoint::new(
+                ep,
+                self.shared.clone(),
+                self.send.clone(),
+                self.recv.clone(),
+                "connect",
+            ))),
+            Ok(None) => Ok(None),
+            Err(e) => {
+                if self.shared.trace {
+                    let addr = self.addr;
+                    tracing::debug!(target: TARGET, %addr, kind = %e.kind(), "connect failed: {e}");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn deadline(&self) -> Instant {
+        self.inner.deadline()
+    }
 }
 
 /// A listener of any provider, hooked: accepted endpoints are hooked.
@@ -266,5 +342,25 @@ where
                 Err(e)
             }
         }
+    }
+
+    fn try_accept(&self, cfg: &EndpointConfig<'_, Self::Cq>) -> Result<Option<Self::Endpoint>> {
+        let inner_cfg = cfg.with_cqs(cfg.send_cq.inner(), cfg.recv_cq.inner());
+        Ok(self.inner.try_accept(&inner_cfg)?.map(|ep| {
+            HookEndpoint::new(
+                ep,
+                self.shared.clone(),
+                cfg.send_cq.ledger().clone(),
+                cfg.recv_cq.ledger().clone(),
+                "accept",
+            )
+        }))
+    }
+}
+
+/// The provider's listener descriptor.
+impl<L: AsFd> AsFd for HookListener<L> {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.inner.as_fd()
     }
 }

@@ -8,7 +8,8 @@ use std::sync::{Arc, Mutex, Weak};
 
 use fabric_api::spi::Endpoint;
 use fabric_api::{
-    EndpointState, Error, ErrorKind, OpSet, RecvWr, Result, SendFlags, SendOp, SendWr, Slice,
+    EndpointEvent, EndpointState, Error, ErrorKind, OpSet, RecvWr, Result, SendFlags, SendOp,
+    SendWr, Slice,
 };
 use tracing::Span;
 
@@ -342,5 +343,30 @@ impl<E: Endpoint + 'static> Endpoint for HookEndpoint<E> {
             tracing::debug!(target: TARGET, parent: &core.span, ep = core.id, "close");
         }
         self.shared.inner.close()
+    }
+
+    fn drain(&self, timeout: std::time::Duration) -> Result<()> {
+        self.shared.inner.drain(timeout)
+    }
+
+    /// The provider's events, except that the close behind an injected fault reads as
+    /// the failure it stands for.
+    fn next_event(&self) -> Option<EndpointEvent> {
+        let ev = self.shared.inner.next_event()?;
+        Some(match (ev, self.shared.core.fault.load(Ordering::Acquire)) {
+            (EndpointEvent::Closed, CUT) => EndpointEvent::Failed(Error::new(
+                ErrorKind::InvalidState,
+                "the connection was cut (injected fault)",
+            )),
+            (EndpointEvent::Closed, DROPPED) => EndpointEvent::Failed(Error::new(
+                ErrorKind::InvalidState,
+                "a completion was dropped (injected fault)",
+            )),
+            (ev, _) => ev,
+        })
+    }
+
+    fn event_fd(&self) -> Result<std::os::fd::BorrowedFd<'_>> {
+        self.shared.inner.event_fd()
     }
 }

@@ -63,7 +63,7 @@ pub use config::{
     ERROR_KINDS, HOOK_NAMES,
 };
 pub use cq::HookCq;
-pub use domain::{HookDomain, HookListener};
+pub use domain::{HookConnecting, HookDomain, HookListener};
 pub use endpoint::HookEndpoint;
 pub use fault::FaultStats;
 

@@ -188,6 +188,7 @@ pub(crate) fn sent(context: u64) -> Completion {
         provider_code: None,
         byte_len: 0,
         imm: None,
+        ep_context: 0,
     }
 }
 

@@ -23,6 +23,7 @@
 #![forbid(unsafe_code)]
 
 mod conn;
+mod connecting;
 mod cq;
 pub mod engine;
 mod keys;
@@ -33,16 +34,18 @@ pub mod wire;
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener as StdListener, TcpStream};
-use std::sync::mpsc::RecvTimeoutError;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::Arc;
+use std::time::Duration;
 
 use fabric_api::spi::{self, EndpointConfig};
 use fabric_api::{
-    Access, Availability, Buffer, Capabilities, DeviceInfo, Emulation, EndpointState, Error,
-    ErrorKind, Limits, MemoryRegion, OpSet, ProviderInfo, RecvWr, Result, SendWr,
+    Access, Availability, Buffer, Capabilities, DeviceInfo, Emulation, EndpointEvent,
+    EndpointState, Error, ErrorKind, Limits, MemoryRegion, OpSet, ProviderInfo, RecvWr, Result,
+    SendWr,
 };
 
+pub use connecting::TcpConnecting;
 pub use cq::TcpCq;
 pub use engine::ProgressMode;
 
@@ -193,34 +196,40 @@ impl TcpDomain {
         })
     }
 
-    /// Sets up an endpoint on a connected socket: as initiator (`request` is `None`: send
-    /// the MPA Request, read the Reply) or as responder to a request the listener read.
-    fn endpoint(
+    /// Sets up an endpoint as the responder to a request the listener read.
+    fn respond(
         &self,
         mut sock: TcpStream,
         cfg: &EndpointConfig<'_, TcpCq>,
-        request: Option<wire::mpa::MpaFrame>,
+        request: wire::mpa::MpaFrame,
     ) -> Result<TcpEndpoint> {
         check_depths(cfg)?;
+        let neg = setup::respond(&mut sock, request, &self.shared.opts, cfg.private_data)?;
+        self.finish_endpoint(sock, cfg, neg)
+    }
+
+    /// Starts the endpoint of a connection whose MPA exchange is done.
+    fn finish_endpoint(
+        &self,
+        sock: TcpStream,
+        cfg: &EndpointConfig<'_, TcpCq>,
+        neg: conn::Negotiated,
+    ) -> Result<TcpEndpoint> {
         sock.set_nodelay(true)?;
         dead_peer_detection(&sock, self.shared.opts.dead_peer_timeout)?;
-        let opts = &self.shared.opts;
-        let neg = match request {
-            None => setup::initiate(&mut sock, opts, cfg.private_data, cfg.timeout)?,
-            Some(req) => setup::respond(&mut sock, req, opts, cfg.private_data)?,
-        };
         tracing::debug!(peer = ?sock.peer_addr().ok(), features = neg.features, crc = neg.crc, ord = neg.ord, "tcp endpoint connected");
         let conn = conn::Conn::new(
             self.shared.id,
             self.shared.keys.clone(),
             sock,
             neg,
-            opts.max_segment,
+            self.shared.opts.max_segment,
             cfg.send_cq.clone(),
             cfg.recv_cq.clone(),
             cfg.sq_depth as usize,
             cfg.rq_depth as usize,
             self.shared.engine.clone(),
+            cfg.ep_context,
         )?;
         conn.start()?;
         Ok(TcpEndpoint { conn })
@@ -264,6 +273,7 @@ impl spi::Domain for TcpDomain {
     type Cq = TcpCq;
     type Endpoint = TcpEndpoint;
     type Listener = TcpListener;
+    type Connecting = TcpConnecting;
 
     fn info(&self) -> &ProviderInfo {
         &self.shared.info
@@ -294,36 +304,20 @@ impl spi::Domain for TcpDomain {
         Ok(TcpListener {
             domain: self.clone(),
             local,
-            acceptor: Mutex::new(listen::Acceptor::start(listener)?),
+            acceptor: listen::Acceptor::start(listener)?,
         })
     }
 
     fn connect(&self, addr: SocketAddr, cfg: &EndpointConfig<'_, TcpCq>) -> Result<TcpEndpoint> {
-        let sock = TcpStream::connect_timeout(&addr, cfg.timeout).map_err(|e| {
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::NetworkUnreachable | std::io::ErrorKind::HostUnreachable
-            ) {
-                // No route is the same failure as no answer: the peer cannot be reached.
-                return Error::new(ErrorKind::TimedOut, format!("{addr} is unreachable: {e}"))
-                    .with_code(fabric_api::ProviderCode::Errno(
-                        e.raw_os_error().unwrap_or(0),
-                    ));
-            }
-            let e: Error = e.into();
-            match e.kind() {
-                ErrorKind::ConnectionRefused => Error::new(
-                    ErrorKind::ConnectionRefused,
-                    format!("nobody listens at {addr}"),
-                ),
-                ErrorKind::TimedOut => Error::new(
-                    ErrorKind::TimedOut,
-                    format!("{addr} did not answer within {:?}", cfg.timeout),
-                ),
-                _ => e,
-            }
-        })?;
-        self.endpoint(sock, cfg, None)
+        TcpConnecting::start(self, addr, cfg)?.wait()
+    }
+
+    fn connect_start(
+        &self,
+        addr: SocketAddr,
+        cfg: &EndpointConfig<'_, TcpCq>,
+    ) -> Result<TcpConnecting> {
+        TcpConnecting::start(self, addr, cfg)
     }
 }
 
@@ -334,7 +328,44 @@ impl spi::Domain for TcpDomain {
 pub struct TcpListener {
     domain: TcpDomain,
     local: SocketAddr,
-    acceptor: Mutex<listen::Acceptor>,
+    acceptor: listen::Acceptor,
+}
+
+impl TcpListener {
+    /// Answers waiting requests until one gives an endpoint; `None` when none is left
+    /// within `timeout`.
+    fn accept_within(
+        &self,
+        cfg: &EndpointConfig<'_, TcpCq>,
+        timeout: Duration,
+    ) -> Result<Option<TcpEndpoint>> {
+        check_depths(cfg)?;
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let Some(incoming) = self.acceptor.ready.take(left) else {
+                return Ok(None);
+            };
+            let peer = incoming.peer;
+            match self.domain.respond(incoming.sock, cfg, incoming.request) {
+                Ok(ep) => return Ok(Some(ep)),
+                Err(e) if e.kind() == ErrorKind::InvalidArgument => return Err(e),
+                // A bad request costs that peer its connection, not the listener.
+                Err(e) => tracing::warn!(%peer, "connection request failed: {e}"),
+            }
+        }
+    }
+}
+
+/// Readable while a complete connection request waits for `accept`.
+impl AsFd for TcpListener {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.acceptor
+            .ready
+            .notifier
+            .fd()
+            .expect("created with the listener")
+    }
 }
 
 impl spi::Listener for TcpListener {
@@ -346,34 +377,16 @@ impl spi::Listener for TcpListener {
     }
 
     fn accept(&self, cfg: &EndpointConfig<'_, TcpCq>, timeout: Duration) -> Result<TcpEndpoint> {
-        let deadline = Instant::now() + timeout;
-        // Held only to take the next complete request: answering it never waits on a peer.
-        let acceptor = self.acceptor.lock().expect("listener poisoned");
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let incoming = match acceptor.ready.recv_timeout(left) {
-                Ok(i) => i,
-                Err(RecvTimeoutError::Timeout) => {
-                    return Err(Error::new(
-                        ErrorKind::TimedOut,
-                        format!("no connection request within {timeout:?}"),
-                    ))
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(Error::new(ErrorKind::InvalidState, "listener stopped"))
-                }
-            };
-            let peer = incoming.peer;
-            match self
-                .domain
-                .endpoint(incoming.sock, cfg, Some(incoming.request))
-            {
-                Ok(ep) => return Ok(ep),
-                Err(e) if e.kind() == ErrorKind::InvalidArgument => return Err(e),
-                // A bad request costs that peer its connection, not the listener.
-                Err(e) => tracing::warn!(%peer, "connection request failed: {e}"),
-            }
-        }
+        self.accept_within(cfg, timeout)?.ok_or_else(|| {
+            Error::new(
+                ErrorKind::TimedOut,
+                format!("no connection request within {timeout:?}"),
+            )
+        })
+    }
+
+    fn try_accept(&self, cfg: &EndpointConfig<'_, TcpCq>) -> Result<Option<TcpEndpoint>> {
+        self.accept_within(cfg, Duration::ZERO)
     }
 }
 
@@ -443,6 +456,15 @@ impl spi::Endpoint for TcpEndpoint {
     fn close(&self) -> Result<()> {
         self.conn.close();
         Ok(())
+    }
+    fn drain(&self, timeout: Duration) -> Result<()> {
+        self.conn.drain(timeout)
+    }
+    fn next_event(&self) -> Option<EndpointEvent> {
+        self.conn.events.next()
+    }
+    fn event_fd(&self) -> Result<BorrowedFd<'_>> {
+        self.conn.events.fd()
     }
 }
 

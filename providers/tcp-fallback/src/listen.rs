@@ -9,15 +9,16 @@
 //! an MPA header plus 512 bytes, and at most [`READY_BACKLOG`] complete requests wait for
 //! the application's `accept` (beyond it the peer gets an MPA reject naming the bound).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use fabric_api::Notifier;
 
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
@@ -42,10 +43,62 @@ pub(crate) struct Incoming {
     pub request: MpaFrame,
 }
 
+/// Complete requests waiting for `accept`, and the listener's descriptor: readable while
+/// one waits.
+#[derive(Debug, Default)]
+pub(crate) struct Ready {
+    queue: Mutex<VecDeque<Incoming>>,
+    arrived: Condvar,
+    pub notifier: Notifier,
+}
+
+impl Ready {
+    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<Incoming>> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues a complete request; gives it back when [`READY_BACKLOG`] already wait.
+    fn offer(&self, item: Incoming) -> Result<(), Incoming> {
+        let mut q = self.queue();
+        if q.len() >= READY_BACKLOG {
+            return Err(item);
+        }
+        q.push_back(item);
+        drop(q);
+        self.notifier.raise();
+        self.arrived.notify_one();
+        Ok(())
+    }
+
+    /// Takes the oldest complete request, waiting up to `timeout` for one.
+    pub fn take(&self, timeout: Duration) -> Option<Incoming> {
+        let deadline = Instant::now() + timeout;
+        let mut q = self.queue();
+        let item = loop {
+            if let Some(i) = q.pop_front() {
+                break Some(i);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break None;
+            }
+            q = self
+                .arrived
+                .wait_timeout(q, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        };
+        drop(q);
+        // Under the notifier's lock: a request queued meanwhile keeps it raised.
+        self.notifier.lower_unless(|| !self.queue().is_empty());
+        item
+    }
+}
+
 /// The listener's thread and the queue of complete requests.
 #[derive(Debug)]
 pub(crate) struct Acceptor {
-    pub ready: Receiver<Incoming>,
+    pub ready: Arc<Ready>,
     waker: Waker,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -72,14 +125,16 @@ impl Acceptor {
             Interest::READABLE,
         )?;
         let waker = Waker::new(poll.registry(), WAKER)?;
-        let (tx, rx) = mpsc::sync_channel(READY_BACKLOG);
+        let ready = Arc::new(Ready::default());
+        // The descriptor exists from the start: `AsFd` cannot fail later.
+        ready.notifier.fd().map_err(io::Error::other)?;
         let stop = Arc::new(AtomicBool::new(false));
-        let stop2 = stop.clone();
+        let (stop2, ready2) = (stop.clone(), ready.clone());
         let thread = std::thread::Builder::new()
             .name(format!("fabric-tcp-listen {local}"))
-            .spawn(move || run(poll, listener, tx, &stop2))?;
+            .spawn(move || run(poll, listener, &ready2, &stop2))?;
         Ok(Acceptor {
-            ready: rx,
+            ready,
             waker,
             stop,
             thread: Some(thread),
@@ -99,7 +154,7 @@ impl Drop for Acceptor {
     }
 }
 
-fn run(mut poll: Poll, listener: TcpListener, ready: SyncSender<Incoming>, stop: &AtomicBool) {
+fn run(mut poll: Poll, listener: TcpListener, ready: &Ready, stop: &AtomicBool) {
     let mut events = Events::with_capacity(128);
     let mut half: HashMap<Token, HalfOpen> = HashMap::new();
     let mut next = 2usize;
@@ -139,9 +194,7 @@ fn run(mut poll: Poll, listener: TcpListener, ready: SyncSender<Incoming>, stop:
                             let _ = poll
                                 .registry()
                                 .deregister(&mut SourceFd(&h.sock.as_raw_fd()));
-                            if !hand_over(&ready, h, request) {
-                                return;
-                            }
+                            hand_over(ready, h, request);
                         }
                     }
                 }
@@ -253,28 +306,23 @@ fn progress(h: &mut HalfOpen) -> Progress {
     }
 }
 
-/// Queues a complete request for `accept`; false once the listener is gone.
-fn hand_over(ready: &SyncSender<Incoming>, h: HalfOpen, request: MpaFrame) -> bool {
+/// Queues a complete request for `accept`, or rejects it when the backlog is full.
+fn hand_over(ready: &Ready, h: HalfOpen, request: MpaFrame) {
     if let Err(e) = h.sock.set_nonblocking(false) {
         tracing::warn!(peer = %h.peer, "connection dropped: {e}");
-        return true;
+        return;
     }
     let item = Incoming {
         sock: h.sock,
         peer: h.peer,
         request,
     };
-    match ready.try_send(item) {
-        Ok(()) => true,
-        Err(TrySendError::Full(item)) => {
-            tracing::warn!(peer = %item.peer, "connection rejected: {READY_BACKLOG} requests already wait for accept");
-            reject(
-                item,
-                &format!("listener backlog of {READY_BACKLOG} requests is full"),
-            );
-            true
-        }
-        Err(TrySendError::Disconnected(_)) => false,
+    if let Err(item) = ready.offer(item) {
+        tracing::warn!(peer = %item.peer, "connection rejected: {READY_BACKLOG} requests already wait for accept");
+        reject(
+            item,
+            &format!("listener backlog of {READY_BACKLOG} requests is full"),
+        );
     }
 }
 

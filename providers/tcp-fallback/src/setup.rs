@@ -1,8 +1,7 @@
 //! Connection setup: TCP connect / accept, then the MPA Request / Reply exchange.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
-use std::time::Duration;
 
 use fabric_api::{pdata, Error, ErrorKind, Result};
 
@@ -26,25 +25,6 @@ fn protocol(what: impl Into<String>) -> Error {
     Error::new(ErrorKind::Protocol, what.into())
 }
 
-fn read_frame(sock: &mut TcpStream, reply: bool) -> Result<MpaFrame> {
-    let mut h = [0u8; mpa::HEADER_LEN];
-    sock.read_exact(&mut h).map_err(|e| match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => protocol(format!(
-            "peer closed during MPA {}",
-            if reply { "reply" } else { "request" }
-        )),
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::new(
-            ErrorKind::TimedOut,
-            format!("no MPA {} in time", if reply { "reply" } else { "request" }),
-        ),
-        _ => e.into(),
-    })?;
-    let (mut frame, pd_len) = MpaFrame::decode_header(&h, reply)?;
-    frame.private_data = vec![0; pd_len];
-    sock.read_exact(&mut frame.private_data)?;
-    Ok(frame)
-}
-
 /// Largest application private data a reply to this framework's iwarp provider frames
 /// (the frame's length byte; the iwarp provider accepts no more anyway).
 const FRAMED_MAX: usize = 200;
@@ -60,16 +40,9 @@ fn user_pd_check(pd: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Initiator side: sends the MPA Request and checks the Reply.
-pub(crate) fn initiate(
-    sock: &mut TcpStream,
-    opts: &TcpOptions,
-    private_data: &[u8],
-    timeout: Duration,
-) -> Result<Negotiated> {
+/// Initiator side, first half: the MPA Request to send.
+pub(crate) fn request(opts: &TcpOptions, private_data: &[u8]) -> Result<Vec<u8>> {
     user_pd_check(private_data)?;
-    sock.set_read_timeout(Some(timeout))?;
-    let ours = features_of(opts);
     let req = MpaFrame {
         reply: false,
         markers: false,
@@ -90,16 +63,19 @@ pub(crate) fn initiate(
         }
         .encode(),
     };
-    sock.write_all(&req.encode())?;
-    let rep = read_frame(sock, true)?;
-    sock.set_read_timeout(None)?;
+    Ok(req.encode())
+}
+
+/// Initiator side, second half: checks the peer's MPA Reply to [`request`] and says what
+/// was agreed.
+pub(crate) fn accept_reply(rep: &MpaFrame, opts: &TcpOptions) -> Result<Negotiated> {
     if rep.revision > 2 {
         return Err(protocol(format!(
             "MPA reply revision {} is newer than the request's 2",
             rep.revision
         )));
     }
-    let setup = Setup::of(&rep)?;
+    let setup = Setup::of(rep)?;
     if rep.reject {
         return Err(Error::new(
             ErrorKind::ConnectionRefused,
@@ -122,7 +98,10 @@ pub(crate) fn initiate(
     }
     let (peer_private, peer_area) = app_data(&setup.user)?;
     Ok(Negotiated {
-        features: setup.ext.map(|x| x.features & ours).unwrap_or(0),
+        features: setup
+            .ext
+            .map(|x| x.features & features_of(opts))
+            .unwrap_or(0),
         crc: rep.crc,
         ord: our_ord(setup.enhanced),
         revision: rep.revision,

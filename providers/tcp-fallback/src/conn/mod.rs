@@ -24,8 +24,8 @@ use mio::Token;
 
 use fabric_api::pdata;
 use fabric_api::{
-    Access, AtomicOp, Buffer, Completion, EndpointState, Error, ErrorKind, Opcode, ProviderCode,
-    RecvWr, Result, SendFlags, SendOp, SendWr, Status,
+    Access, AtomicOp, Buffer, Completion, EndpointEvent, EndpointEvents, EndpointState, Error,
+    ErrorKind, Opcode, ProviderCode, RecvWr, Result, SendFlags, SendOp, SendWr, Status,
 };
 
 use crate::cq::TcpCq;
@@ -226,6 +226,10 @@ pub(crate) struct Conn {
     pub(crate) token: Token,
     /// The domain's engine (its poll set and progress thread).
     engine: Arc<Engine>,
+    /// The application's value for this endpoint, in every completion.
+    ep_context: u64,
+    /// Connection events: one per change of `State::status`.
+    pub(crate) events: EndpointEvents,
 }
 
 impl Conn {
@@ -241,6 +245,7 @@ impl Conn {
         sq_depth: usize,
         rq_depth: usize,
         engine: Arc<Engine>,
+        ep_context: u64,
     ) -> io::Result<Arc<Conn>> {
         let local = sock.local_addr()?;
         let peer = sock.peer_addr()?;
@@ -282,6 +287,8 @@ impl Conn {
             graceful: AtomicBool::new(false),
             token: crate::engine::next_token(),
             engine,
+            ep_context,
+            events: EndpointEvents::new(),
         }))
     }
 
@@ -781,6 +788,7 @@ impl Conn {
             provider_code: None,
             byte_len,
             imm,
+            ep_context: self.ep_context,
         };
         // The sender's ack leaves before the application can see the receive: an
         // application that exits on a message must not take the ack with it (the sender
@@ -794,6 +802,7 @@ impl Conn {
     /// Delivers a receive completion, in order: held back while a receive batch is under
     /// way (its acks go out first, see [`Self::flush_acks`]).
     fn push_recv(&self, st: &mut State, c: Completion) {
+        let c = c.on_endpoint(self.ep_context);
         if st.batching {
             st.received.push(c);
         } else {
@@ -818,10 +827,19 @@ impl Conn {
                 provider_code: Some(term::MSG_TOO_LONG.code()),
                 byte_len: len as u64,
                 imm: None,
+                ep_context: self.ep_context,
             },
         );
         self.send_terminate(st, term::MSG_TOO_LONG);
-        self.enter_error(st, None, EndpointState::Error);
+        let why = format!(
+            "a message of {len} bytes arrived for a receive of {} bytes",
+            recv.total
+        );
+        self.enter_error(
+            st,
+            None,
+            EndpointEvent::Failed(Error::new(ErrorKind::LocalLength, why)),
+        );
     }
 
     // ----- transmit ------------------------------------------------------------------
@@ -1001,6 +1019,7 @@ impl Conn {
                     provider_code: None,
                     byte_len: p.byte_len,
                     imm: None,
+                    ep_context: self.ep_context,
                 }),
                 Some((kind, code)) => self.send_cq.push(Completion {
                     context: p.context,
@@ -1009,23 +1028,26 @@ impl Conn {
                     provider_code: code,
                     byte_len: 0,
                     imm: None,
+                    ep_context: self.ep_context,
                 }),
             }
         }
     }
 
-    /// Enters the error (or disconnected) state: the first unfinished request gets `head`,
-    /// every other outstanding request and receive completes Flushed.
+    /// Enters the state `event` leaves the endpoint in (error or disconnected) and
+    /// reports the event: the first unfinished request gets `head`, every other
+    /// outstanding request and receive completes Flushed.
     fn enter_error(
         &self,
         st: &mut State,
         head: Option<(ErrorKind, Option<ProviderCode>)>,
-        status: EndpointState,
+        event: EndpointEvent,
     ) {
         if st.status != EndpointState::Connected {
             return;
         }
-        st.status = status;
+        st.status = event.state();
+        self.events.push(event);
         let mut head = head;
         for p in st.sq.iter_mut().filter(|p| !p.done()) {
             p.error = Some(head.take().unwrap_or((ErrorKind::Flushed, None)));
@@ -1077,6 +1099,34 @@ impl Conn {
         true
     }
 
+    /// Waits up to `timeout` until every send-queue request posted before the call has
+    /// completed (see [`spi::Endpoint::drain`](fabric_api::spi::Endpoint::drain)), making
+    /// progress itself: the application may not be polling, and in manual progress mode
+    /// nobody else would.
+    pub fn drain(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        // Requests are numbered in post order: those below `upto` were posted before.
+        let upto = self.lock().next_seq;
+        loop {
+            let left = {
+                let st = self.lock();
+                st.sq.iter().take_while(|p| p.seq < upto).count()
+            };
+            if left == 0 {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::new(
+                    ErrorKind::TimedOut,
+                    format!("{left} send-queue requests still outstanding after {timeout:?}"),
+                ));
+            }
+            self.progress();
+            self.flush_tx();
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
     /// Local graceful close. Against this framework's iwarp provider the close mark goes
     /// into the peer's credit area first: iWARP gives the peer the same signal for a close
     /// and a failure, and the mark is how it tells them apart.
@@ -1094,7 +1144,7 @@ impl Conn {
         let mark = (st.status == EndpointState::Connected)
             .then_some(self.neg.peer_area)
             .flatten();
-        self.enter_error(&mut st, None, EndpointState::Disconnected);
+        self.enter_error(&mut st, None, EndpointEvent::Closed);
         // Nothing more is sent but the rest of an FPDU already begun: the peer sees the
         // stream end on a boundary (a cut FPDU is an error there, not a close).
         {

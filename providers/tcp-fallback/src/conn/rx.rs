@@ -23,7 +23,7 @@ use std::io::{self, Read};
 use std::os::fd::AsFd;
 use std::sync::atomic::Ordering as AtomicOrdering;
 
-use fabric_api::{Access, EndpointState, ErrorKind, Opcode, ProviderCode};
+use fabric_api::{Access, EndpointEvent, EndpointState, Error, ErrorKind, Opcode, ProviderCode};
 
 use super::{
     scatter, Arrived, Conn, State, Unit, TX_QUEUE_LIMIT, UNEXPECTED_ENTRY_COST, UNEXPECTED_LIMIT,
@@ -453,8 +453,13 @@ impl Conn {
                 tracing::warn!(peer = %self.peer, "peer violated the protocol or an access right: {detail}; sending Terminate {t:?}");
                 // A receive taken for a message that will never finish is in
                 // `st.placing`: enter_error flushes it first.
+                let err = Error::new(
+                    t.error_kind(),
+                    format!("the peer violated the protocol or an access right: {detail}"),
+                )
+                .with_code(t.code());
                 self.send_terminate(&mut st, t);
-                self.enter_error(&mut st, None, EndpointState::Error);
+                self.enter_error(&mut st, None, EndpointEvent::Failed(err));
                 drop(st);
                 self.close_tx(true);
             }
@@ -468,7 +473,13 @@ impl Conn {
                     _ => false,
                 };
                 // Unless a write took the error, the oldest unfinished request does.
-                self.enter_error(&mut st, (!blamed).then_some(head), EndpointState::Error);
+                let err = Error::new(head.0, format!("the peer terminated the connection: {t:?}"))
+                    .with_code(t.code());
+                self.enter_error(
+                    &mut st,
+                    (!blamed).then_some(head),
+                    EndpointEvent::Failed(err),
+                );
                 drop(st);
                 self.close_tx(false);
             }
@@ -483,12 +494,17 @@ impl Conn {
                 tracing::debug!(peer = %self.peer, "connection ended: {end:?}");
                 // A dead peer (RetryExceeded) is an error completion: the endpoint is in
                 // the error state (docs/contract.md section 6); an ended stream is a disconnect.
-                let status = if head.is_some() {
-                    EndpointState::Error
-                } else {
-                    EndpointState::Disconnected
+                let event = match head {
+                    Some((kind, code)) => {
+                        let err = Error::new(kind, format!("the peer stopped answering: {end:?}"));
+                        EndpointEvent::Failed(match code {
+                            Some(c) => err.with_code(c),
+                            None => err,
+                        })
+                    }
+                    None => EndpointEvent::PeerClosed,
                 };
-                self.enter_error(&mut st, head, status);
+                self.enter_error(&mut st, head, event);
                 drop(st);
                 self.close_tx(false);
             }
