@@ -213,10 +213,12 @@ impl Ctx {
         cfg_a.sq_depth = opts.sq_depth;
         cfg_a.rq_depth = opts.rq_depth;
         cfg_a.private_data = &opts.private_a;
+        cfg_a.ep_context = opts.ep_context_a;
         let mut cfg_b = EndpointConfig::new(&cqb);
         cfg_b.sq_depth = opts.sq_depth;
         cfg_b.rq_depth = opts.rq_depth;
         cfg_b.private_data = &opts.private_b;
+        cfg_b.ep_context = opts.ep_context_b;
         let (a, b) = connect_accept(&listener, &da, &cfg_a, &cfg_b, self.timeout)?;
         Ok(Pair {
             da,
@@ -286,6 +288,10 @@ pub struct PairOpts {
     pub private_a: Vec<u8>,
     /// Private data from the accepting side.
     pub private_b: Vec<u8>,
+    /// `ep_context` of the connecting side's endpoint.
+    pub ep_context_a: u64,
+    /// `ep_context` of the accepting side's endpoint.
+    pub ep_context_b: u64,
 }
 
 impl Default for PairOpts {
@@ -296,6 +302,8 @@ impl Default for PairOpts {
             cq_capacity: 512,
             private_a: Vec::new(),
             private_b: Vec::new(),
+            ep_context_a: 0,
+            ep_context_b: 0,
         }
     }
 }
@@ -488,6 +496,24 @@ pub fn expect_none(cq: &AnyCq, dur: Duration) -> CaseResultOf {
         return Err(format!("unexpected completion(s): {out:?}"));
     }
     Ok(())
+}
+
+/// Whether `fd` becomes readable within `timeout` (zero: is it readable now).
+pub fn readable(fd: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> Result<bool, String> {
+    use std::os::fd::AsRawFd;
+    let mut poll = mio::Poll::new().map_err(|e| format!("epoll: {e}"))?;
+    let raw = fd.as_raw_fd();
+    poll.registry()
+        .register(
+            &mut mio::unix::SourceFd(&raw),
+            mio::Token(0),
+            mio::Interest::READABLE,
+        )
+        .map_err(|e| format!("epoll_ctl: {e}"))?;
+    let mut events = mio::Events::with_capacity(1);
+    poll.poll(&mut events, Some(timeout))
+        .map_err(|e| format!("epoll_wait: {e}"))?;
+    Ok(!events.is_empty())
 }
 
 /// Waits until `ep` reaches `state`.

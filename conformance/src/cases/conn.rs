@@ -1,6 +1,7 @@
 //! Section 7: connections.
 
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use fabric::prelude::*;
@@ -8,8 +9,8 @@ use fabric::prelude::*;
 use super::cases;
 use crate::ensure;
 use crate::harness::{
-    expect_err, expect_none, expect_ok, next, region, wait_state, Case, CaseResultOf, Ctx, Ctxt,
-    PairOpts,
+    expect_err, expect_none, expect_ok, next, readable, region, wait_state, Case, CaseResultOf,
+    Ctx, Ctxt, PairOpts,
 };
 
 pub(super) fn cases() -> Vec<Case> {
@@ -23,6 +24,11 @@ pub(super) fn cases() -> Vec<Case> {
         "conn.many_endpoints_one_listener", "7", OpSet::SEND => many_endpoints;
         "conn.peer_exit_is_a_disconnect", "7", OpSet::SEND => peer_exit;
         "conn.peer_killed_mid_transfer", "7", OpSet::SEND | OpSet::WRITE | OpSet::RNR_WAIT => peer_killed;
+        "conn.ring_of_two_on_one_thread", "7", OpSet::SEND => ring_of_two;
+        "conn.try_accept_never_waits", "7", OpSet::empty() => try_accept_never_waits;
+        "conn.nonblocking_connect_refused", "7", OpSet::empty() => nonblocking_refused;
+        "conn.events_report_close_both_sides", "7", OpSet::empty() => close_events;
+        "conn.close_drained_completes_what_was_posted", "7", OpSet::SEND | OpSet::RNR_WAIT => close_drained;
     }
 }
 
@@ -274,4 +280,246 @@ fn peer_killed(ctx: &Ctx) -> CaseResultOf {
         Err(e) if e.kind() == ErrorKind::InvalidState => Ok(()),
         other => Err(format!("post after peer death returned {other:?}")),
     }
+}
+
+/// Two applications that each connect to the other before either accepts (the first
+/// link of a ring): with `connect_start` and `try_accept` one thread brings both
+/// connections up, and the listener's descriptor says when a request waits. Each
+/// connection then carries a message.
+fn ring_of_two(ctx: &Ctx) -> CaseResultOf {
+    let (da, db) = (ctx.domain()?, ctx.target_domain()?);
+    let (cqa, cqb) = (da.create_cq(64).ctx("cq")?, db.create_cq(64).ctx("cq")?);
+    let (la, lb) = (
+        da.listen(ctx.any_port()).ctx("listen a")?,
+        db.listen(ctx.any_port()).ctx("listen b")?,
+    );
+    let (ca, cb) = (EndpointConfig::new(&cqa), EndpointConfig::new(&cqb));
+    let mut a_out = Some(
+        da.connect_start(lb.local_addr(), &ca)
+            .ctx("connect_start a")?,
+    );
+    let mut b_out = Some(
+        db.connect_start(la.local_addr(), &cb)
+            .ctx("connect_start b")?,
+    );
+    // Nothing accepted yet: once a's request reached b's listener (polling a's
+    // connection is what sends it), the listener's descriptor says so.
+    let deadline = Instant::now() + ctx.timeout;
+    loop {
+        if let Some(c) = a_out.as_mut() {
+            ensure!(
+                c.poll().ctx("connecting a->b")?.is_none(),
+                "a's connection completed before b accepted it"
+            );
+        }
+        if readable(lb.as_fd(), Duration::from_millis(10))? {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "b's listener descriptor not readable within {:?} of a's connection request",
+            ctx.timeout
+        );
+    }
+    let (mut eps_a, mut eps_b) = (None, None);
+    let (mut acc_a, mut acc_b) = (None, None);
+    let deadline = Instant::now() + ctx.timeout;
+    while eps_a.is_none() || eps_b.is_none() || acc_a.is_none() || acc_b.is_none() {
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "ring of two not connected within {:?}: a->b {}, b->a {}, a accepted {}, b accepted {}",
+                ctx.timeout,
+                eps_a.is_some(),
+                eps_b.is_some(),
+                acc_a.is_some(),
+                acc_b.is_some()
+            ));
+        }
+        if acc_a.is_none() {
+            acc_a = la.try_accept(&ca).ctx("try_accept a")?;
+        }
+        if acc_b.is_none() {
+            acc_b = lb.try_accept(&cb).ctx("try_accept b")?;
+        }
+        if let Some(c) = a_out.as_mut() {
+            if let Some(ep) = c.poll().ctx("connecting a->b")? {
+                eps_a = Some(ep);
+                a_out = None;
+            }
+        }
+        if let Some(c) = b_out.as_mut() {
+            if let Some(ep) = c.poll().ctx("connecting b->a")? {
+                eps_b = Some(ep);
+                b_out = None;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let (a_out, b_out) = (eps_a.expect("set"), eps_b.expect("set"));
+    let (a_in, b_in) = (acc_a.expect("set"), acc_b.expect("set"));
+    // a->b is a_out with b_in, b->a is b_out with a_in: a message over each.
+    let (ra, rb) = (
+        region(&da, 64, Access::LOCAL_WRITE)?,
+        region(&db, 64, Access::LOCAL_WRITE)?,
+    );
+    b_in.post_recv(&RecvWr::new(1, &[rb.slice(0..32).ctx("s")?]))
+        .ctx("post_recv b")?;
+    a_in.post_recv(&RecvWr::new(2, &[ra.slice(0..32).ctx("s")?]))
+        .ctx("post_recv a")?;
+    ra.buffer().write(32, b"a to b");
+    rb.buffer().write(32, b"b to a");
+    a_out
+        .post_send(&SendWr::send(3, &[ra.slice(32..38).ctx("s")?]))
+        .ctx("send a->b")?;
+    b_out
+        .post_send(&SendWr::send(4, &[rb.slice(32..38).ctx("s")?]))
+        .ctx("send b->a")?;
+    crate::harness::expect_ok_each(&cqa, &[(2, Opcode::Recv), (3, Opcode::Send)])?;
+    crate::harness::expect_ok_each(&cqb, &[(1, Opcode::Recv), (4, Opcode::Send)])?;
+    ensure!(
+        rb.buffer().to_vec(0, 6) == b"a to b" && ra.buffer().to_vec(0, 6) == b"b to a",
+        "messages arrived as {:?} and {:?}",
+        rb.buffer().to_vec(0, 6),
+        ra.buffer().to_vec(0, 6)
+    );
+    Ok(())
+}
+
+/// `try_accept` with no request waiting returns `None` at once, and the listener's
+/// descriptor is not readable.
+fn try_accept_never_waits(ctx: &Ctx) -> CaseResultOf {
+    let d = ctx.target_domain()?;
+    let cq = d.create_cq(8).ctx("cq")?;
+    let l = d.listen(ctx.any_port()).ctx("listen")?;
+    ensure!(
+        !readable(l.as_fd(), Duration::from_millis(50))?,
+        "listener descriptor readable with no request"
+    );
+    let t = Instant::now();
+    let r = l.try_accept(&EndpointConfig::new(&cq)).ctx("try_accept")?;
+    ensure!(r.is_none(), "try_accept with no request gave an endpoint");
+    ensure!(
+        t.elapsed() < Duration::from_millis(500),
+        "try_accept took {:?}",
+        t.elapsed()
+    );
+    Ok(())
+}
+
+/// A non-blocking connect to a port nobody listens on fails ConnectionRefused, promptly,
+/// and afterwards reports InvalidState.
+fn nonblocking_refused(ctx: &Ctx) -> CaseResultOf {
+    let d = ctx.domain()?;
+    let cq = d.create_cq(8).ctx("cq")?;
+    let addr = closed_port(ctx)?;
+    let t = Instant::now();
+    let mut c = match d.connect_start(addr, &EndpointConfig::new(&cq)) {
+        Ok(c) => c,
+        // Refused while starting is as good (the provider learned it at once).
+        Err(e) if e.kind() == ErrorKind::ConnectionRefused => return Ok(()),
+        Err(e) => return Err(format!("connect_start to {addr}: {e}")),
+    };
+    loop {
+        match c.poll() {
+            Ok(None) if t.elapsed() < Duration::from_secs(3) => {
+                readable(c.as_fd(), Duration::from_millis(20))?;
+            }
+            Err(e) if e.kind() == ErrorKind::ConnectionRefused => break,
+            other => {
+                return Err(format!(
+                    "connecting to {addr} (nobody listening) gave {other:?} after {:?}",
+                    t.elapsed()
+                ))
+            }
+        }
+    }
+    match c.poll() {
+        Err(e) if e.kind() == ErrorKind::InvalidState => Ok(()),
+        other => Err(format!("poll after the failure returned {other:?}")),
+    }
+}
+
+/// One close gives one event on each side: `Closed` here, `PeerClosed` there, with each
+/// event descriptor readable while its event is unread.
+fn close_events(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    ensure!(p.a.next_event().is_none(), "event on a fresh endpoint");
+    ensure!(
+        !readable(p.b.event_fd().ctx("event_fd")?, Duration::ZERO)?,
+        "event descriptor readable on a fresh endpoint"
+    );
+    p.a.close().ctx("close")?;
+    ensure!(
+        readable(p.b.event_fd().ctx("event_fd")?, ctx.timeout)?,
+        "peer's event descriptor not readable within {:?} of the close",
+        ctx.timeout
+    );
+    match p.b.next_event() {
+        Some(EndpointEvent::PeerClosed) => {}
+        other => return Err(format!("peer's event after a close: {other:?}")),
+    }
+    ensure!(
+        p.b.state() == EndpointState::Disconnected,
+        "peer is {:?} after its PeerClosed event",
+        p.b.state()
+    );
+    ensure!(
+        !readable(p.b.event_fd().ctx("event_fd")?, Duration::ZERO)?,
+        "event descriptor still readable after the event was taken"
+    );
+    match p.a.next_event() {
+        Some(EndpointEvent::Closed) => {}
+        other => return Err(format!("closing side's event: {other:?}")),
+    }
+    ensure!(
+        p.a.next_event().is_none(),
+        "a second event on the closing side"
+    );
+    Ok(())
+}
+
+/// Sends posted right before a draining close all complete successfully and arrive;
+/// only then does the connection go down.
+fn close_drained(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let n = 32usize;
+    let len = 4096usize;
+    let src = region(&p.da, n * len, Access::empty())?;
+    let dst = region(&p.db, n * len, Access::LOCAL_WRITE)?;
+    for i in 0..n {
+        src.buffer().fill(i * len, len, i as u8 + 1);
+        p.b.post_recv(&RecvWr::new(
+            i as u64,
+            &[dst.slice(i * len..(i + 1) * len).ctx("s")?],
+        ))
+        .ctx("post_recv")?;
+    }
+    for i in 0..n {
+        p.a.post_send(&SendWr::send(
+            100 + i as u64,
+            &[src.slice(i * len..(i + 1) * len).ctx("s")?],
+        ))
+        .ctx("post_send")?;
+    }
+    p.a.close_drained(ctx.timeout).ctx("close_drained")?;
+    for i in 0..n {
+        expect_ok(&p.cqa, 100 + i as u64, Opcode::Send)
+            .map_err(|e| format!("send {i} after a draining close: {e}"))?;
+    }
+    for i in 0..n {
+        expect_ok(&p.cqb, i as u64, Opcode::Recv)?;
+    }
+    for i in 0..n {
+        let got = dst.buffer().to_vec(i * len, len);
+        ensure!(
+            got.iter().all(|&b| b == i as u8 + 1),
+            "message {i} arrived damaged"
+        );
+    }
+    ensure!(
+        p.a.state() == EndpointState::Disconnected,
+        "endpoint is {:?} after close_drained",
+        p.a.state()
+    );
+    Ok(())
 }

@@ -19,6 +19,7 @@ use crate::harness::{
 pub(super) fn cases() -> Vec<Case> {
     cases! {
         "cq.completion_fields", "6", OpSet::SEND | OpSet::SEND_IMM => fields;
+        "cq.completions_name_their_endpoint", "6", OpSet::SEND => name_their_endpoint;
         "cq.completions_in_post_order", "6", OpSet::SEND | OpSet::WRITE | OpSet::READ => post_order;
         "cq.unsignaled_no_completion", "6", OpSet::WRITE => unsignaled;
         "cq.error_state_flushes_and_refuses", "6", OpSet::SEND | OpSet::WRITE => error_state;
@@ -948,6 +949,41 @@ fn provider_code(ctx: &Ctx) -> CaseResultOf {
     ensure!(
         dst.buffer().to_vec(0, 64).iter().all(|&b| b == 0),
         "a write with a bad key changed target memory"
+    );
+    Ok(())
+}
+
+/// Every completion carries the `ep_context` of the endpoint it belongs to: sends,
+/// receives, and the flushed receives of a close.
+fn name_their_endpoint(ctx: &Ctx) -> CaseResultOf {
+    let (ca, cb) = (0xA11CE_u64, 0xB0B_u64 << 40);
+    let p = ctx.pair_with(PairOpts {
+        ep_context_a: ca,
+        ep_context_b: cb,
+        ..PairOpts::default()
+    })?;
+    let ra = region(&p.da, 64, Access::LOCAL_WRITE)?;
+    let rb = region(&p.db, 64, Access::LOCAL_WRITE)?;
+    p.b.post_recv(&RecvWr::new(1, &[rb.slice(0..32).ctx("s")?]))
+        .ctx("post_recv")?;
+    p.b.post_recv(&RecvWr::new(2, &[rb.slice(32..64).ctx("s")?]))
+        .ctx("post_recv")?;
+    p.a.post_send(&SendWr::send(3, &[ra.slice(0..16).ctx("s")?]))
+        .ctx("post_send")?;
+    let sent = expect_ok(&p.cqa, 3, Opcode::Send)?;
+    let got = expect_ok(&p.cqb, 1, Opcode::Recv)?;
+    ensure!(
+        sent.ep_context == ca && got.ep_context == cb,
+        "send completion names {:#x} (want {ca:#x}), receive names {:#x} (want {cb:#x})",
+        sent.ep_context,
+        got.ep_context
+    );
+    p.b.close().ctx("close")?;
+    let flushed = expect_err(&p.cqb, 2, ErrorKind::Flushed)?;
+    ensure!(
+        flushed.ep_context == cb,
+        "flushed receive names {:#x}, want {cb:#x}",
+        flushed.ep_context
     );
     Ok(())
 }
