@@ -110,7 +110,7 @@ pub mod wr;
 
 pub use caps::{Availability, Capabilities, DeviceInfo, Emulation, Limits, OpSet, ProviderInfo};
 pub use error::{Error, ErrorKind, ProviderCode, Result};
-pub use mem::{send_gather, Buffer, IoPiece};
+pub use mem::{send_gather, Buffer, HugePages, IoPiece};
 pub use notify::{EndpointEvent, EndpointEvents, Notifier};
 pub use region::{Access, MemoryRegion, RegionRef, Registration, RemoteDesc, Slice};
 pub use wr::{
