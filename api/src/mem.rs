@@ -241,14 +241,14 @@ impl Buffer {
     pub fn from_vec<T: Pod>(mut v: Vec<T>) -> Buffer {
         let size = size_of::<T>();
         let len = size_of_val(v.as_slice());
-        if len == 0 || v.as_ptr() as usize % WORD != 0 {
+        if len == 0 || !(v.as_ptr() as usize).is_multiple_of(WORD) {
             return Buffer::from_slice(bytemuck::cast_slice(&v));
         }
         // Cannot overflow: `len <= isize::MAX`. The elements covering the rounded length:
         let elems = len.next_multiple_of(WORD).div_ceil(size);
         if v.capacity() < elems {
             v.reserve_exact(elems - v.len());
-            if v.as_ptr() as usize % WORD != 0 {
+            if !(v.as_ptr() as usize).is_multiple_of(WORD) {
                 return Buffer::from_slice(bytemuck::cast_slice(&v));
             }
         }
@@ -289,7 +289,7 @@ impl Buffer {
     /// multiple of `size_of::<T>()`, or `T` is zero-sized.
     pub fn into_vec<T: Pod>(self) -> std::result::Result<Vec<T>, Buffer> {
         let size = size_of::<T>();
-        if size == 0 || self.len % size != 0 {
+        if size == 0 || !self.len.is_multiple_of(size) {
             return Err(self);
         }
         let n = self.len / size;
@@ -388,7 +388,7 @@ impl Buffer {
         len: usize,
         owner: Box<dyn Any + Send + Sync>,
     ) -> Result<Buffer> {
-        if ptr.as_ptr() as usize % WORD != 0 {
+        if !(ptr.as_ptr() as usize).is_multiple_of(WORD) {
             return Err(Error::invalid(format!(
                 "foreign memory at {:#x} is not 8-byte aligned (buffers are accessed in \
                  aligned 64-bit words)",
@@ -584,7 +584,7 @@ impl Buffer {
     /// not inside the buffer. Atomic with respect to every other framework atomic and
     /// every copy of this module on the same word.
     pub fn atomic_u64(&self, offset: usize) -> Option<&AtomicU64> {
-        if offset % WORD != 0 || self.check_range(offset, WORD).is_err() {
+        if !offset.is_multiple_of(WORD) || self.check_range(offset, WORD).is_err() {
             return None;
         }
         Some(self.word(offset / WORD))
@@ -1086,7 +1086,7 @@ mod tests {
         let b = Buffer::from_vec(Vec::<u32>::new());
         assert!(!b.is_borrowed_allocation());
         let c = Buffer::from_vec(Vec::<u32>::with_capacity(4));
-        assert!(b.addr() != c.addr() && b.addr() % BUFFER_ALIGN as u64 == 0);
+        assert!(b.addr() != c.addr() && b.addr().is_multiple_of(BUFFER_ALIGN as u64));
         assert_eq!(b.len(), 0);
         assert_eq!(b.into_vec::<u32>().unwrap(), Vec::<u32>::new());
         // Zero-sized elements: no bytes, no way back.

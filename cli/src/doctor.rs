@@ -55,7 +55,7 @@ fn human(n: u64) -> String {
         ("KiB", 1 << 10),
     ];
     for (u, v) in UNITS {
-        if n >= v && n % v == 0 {
+        if n >= v && n.is_multiple_of(v) {
             return format!("{} {u}", n / v);
         }
     }

@@ -538,7 +538,7 @@ impl Drop for Comm {
 }
 
 fn check_len(data: &[u8], dtype: DataType) -> Result<()> {
-    if data.len() % dtype.size() != 0 {
+    if !data.len().is_multiple_of(dtype.size()) {
         return Err(Error::invalid(format!(
             "{} bytes is not a whole number of {} elements",
             data.len(),

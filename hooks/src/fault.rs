@@ -49,7 +49,8 @@ impl Armed {
     /// and the number of events.
     pub(crate) fn fires(&mut self, rng: &mut Rng) -> bool {
         self.count += 1;
-        let by_count = self.trigger.every_nth > 0 && self.count % self.trigger.every_nth == 0;
+        let by_count =
+            self.trigger.every_nth > 0 && self.count.is_multiple_of(self.trigger.every_nth);
         let by_chance = self.trigger.probability > 0.0 && rng.unit() < self.trigger.probability;
         by_count || by_chance
     }

@@ -110,8 +110,8 @@ fn draw(plot: &Value, file: &str) -> Result<(), Box<dyn std::error::Error>> {
 fn size_label(x: f64) -> String {
     let x = x.round() as u64;
     match x {
-        _ if x >= 1 << 20 && x % (1 << 20) == 0 => format!("{}M", x >> 20),
-        _ if x >= 1 << 10 && x % (1 << 10) == 0 => format!("{}K", x >> 10),
+        _ if x >= 1 << 20 && x.is_multiple_of(1 << 20) => format!("{}M", x >> 20),
+        _ if x >= 1 << 10 && x.is_multiple_of(1 << 10) => format!("{}K", x >> 10),
         _ => x.to_string(),
     }
 }

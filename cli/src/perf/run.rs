@@ -256,7 +256,7 @@ impl<'a> Reaper<'a> {
                     .map_err(e("wait"))?;
             }
         }
-        if mode == Mode::Block || idle % 1024 == 0 {
+        if mode == Mode::Block || idle.is_multiple_of(1024) {
             let start = *since.get_or_insert_with(Instant::now);
             if start.elapsed() > limit {
                 return Err(format!(
@@ -705,7 +705,7 @@ impl State<'_> {
                 self.r.wait_done(need)?;
             }
             let i = self.ctx - base;
-            let signaled = (i + 1) % every == 0 || self.ctx + 1 == end;
+            let signaled = (i + 1).is_multiple_of(every) || self.ctx + 1 == end;
             let w = wr(self.ctx, signaled, 0);
             let ep = self.ep;
             self.r.post(|| ep.post_send(&w))?;
