@@ -26,7 +26,13 @@
 //! 3. **Connect.** A completion queue ([`DomainOps::create_cq`]), then
 //!    [`DomainOps::listen`] and [`ListenerOps::accept`] on one side and
 //!    [`DomainOps::connect`] on the other, each with an [`EndpointConfig`]; a little
-//!    private data may ride on both (contract section 7).
+//!    private data may ride on both (contract section 7). `connect` blocks until the peer's
+//!    application accepts; [`DomainOps::connect_start`] and [`ListenerOps::try_accept`]
+//!    never block, so one thread can connect and accept at once (a ring of ranks), and
+//!    their descriptors ([`AnyConnecting`], [`AnyListener`] are `AsFd`) fit an event loop
+//!    (`fabric::tokio::{connect, accept}` with the `tokio` feature). An endpoint reports
+//!    what happens to its connection as events ([`EndpointOps::next_event`]);
+//!    [`EndpointOps::close_drained`] lets what was posted finish before it closes.
 //! 4. **Post and complete.** [`EndpointOps::post_recv`] and [`EndpointOps::post_send`]
 //!    take work requests ([`RecvWr`], [`SendWr::send`], [`SendWr::write`],
 //!    [`SendWr::read`], [`SendWr::fetch_add`], [`SendWr::compare_swap`]); each yields one
@@ -129,7 +135,8 @@
 //! `tokio` (off by default) adds [`tokio`](mod@crate::tokio): [`tokio::AsyncCq`] awaits a
 //! completion queue through its notification descriptor (every queue has one:
 //! [`CqOps::arm`], and [`AsFd`](std::os::fd::AsFd) on [`AnyCq`], for any event loop) and is
-//! a `Stream` of completions.
+//! a `Stream` of completions; `tokio::connect`, `tokio::accept` and `tokio::next_event` set
+//! up connections and await their events without blocking the runtime.
 //!
 //! # Hooks
 //! `FABRIC_HOOKS=trace,fault`, `hooks = [...]` with a `[fault]` table in the config file, or
