@@ -2180,10 +2180,7 @@ impl EpCore {
             return None;
         }
         l.attributed = true;
-        let kind = match op {
-            Opcode::Send => ErrorKind::RemoteInvalidRequest,
-            _ => ErrorKind::RemoteAccess,
-        };
+        let kind = Self::terminate_kind(op);
         self.leave(l, || {
             EndpointEvent::Failed(Error::new(
                 kind,
@@ -2193,6 +2190,14 @@ impl EpCore {
             ))
         });
         Some(kind)
+    }
+
+    /// The error a peer's Terminate most likely carried for a request of `op`.
+    fn terminate_kind(op: Opcode) -> ErrorKind {
+        match op {
+            Opcode::Send => ErrorKind::RemoteInvalidRequest,
+            _ => ErrorKind::RemoteAccess,
+        }
     }
 
     fn push_user(
@@ -2338,9 +2343,29 @@ impl EpCore {
     /// What a queue pair that died under us means: the peer's close when it left its close
     /// mark (on iWARP a graceful close is told apart from a failure by that mark in our
     /// credit area), else a failure saying `how` it was noticed.
-    fn dead_event(&self, how: &str) -> EndpointEvent {
+    ///
+    /// On a device that hides why a connection died ([`Profile::infer_terminate`]), with
+    /// an application request outstanding, the failure names the error that request's
+    /// completion will carry ([`Self::infer_cause`], inferred the same way from the oldest
+    /// one): the flushes are often reaped after the connection manager reported the end,
+    /// and the event must not tell another story than the completion.
+    ///
+    /// [`Profile::infer_terminate`]: crate::Profile::infer_terminate
+    fn dead_event(&self, l: &Ledger, how: &str) -> EndpointEvent {
         if self.peer_closed() {
-            EndpointEvent::PeerClosed
+            return EndpointEvent::PeerClosed;
+        }
+        let oldest = l.sq.iter().find_map(|r| r.user.map(|u| u.opcode));
+        if let Some(op) = oldest
+            .filter(|_| self.dom.profile.infer_terminate && !l.attributed && !l.closed_locally)
+        {
+            let kind = Self::terminate_kind(op);
+            EndpointEvent::Failed(Error::new(
+                kind,
+                format!(
+                    "{how} without the peer's close mark while a {op:?} was outstanding: the peer most likely refused it ({kind}; the device does not tell)"
+                ),
+            ))
         } else if self.iwarp() {
             EndpointEvent::Failed(Error::new(
                 ErrorKind::RetryExceeded,
@@ -2366,9 +2391,9 @@ impl EpCore {
         if l.status == EndpointState::Connected && !l.torn_down && due {
             l.qp_checked = Some(Instant::now());
             if let Ok(ffi::QPS_ERR) = self.id.qp_state() {
-                self.leave(&mut l, || {
-                    self.dead_event("the queue pair entered the error state")
-                });
+                // Connected (checked above): the event is the change.
+                let event = self.dead_event(&l, "the queue pair entered the error state");
+                self.leave(&mut l, || event);
                 self.note_dead(&mut l);
                 drop(l);
                 self.flush_dead();
@@ -2396,7 +2421,7 @@ impl EpCore {
         if l.status == EndpointState::Connected {
             let event = match failure {
                 Some(e) => EndpointEvent::Failed(e),
-                None if self.iwarp() => self.dead_event("the connection ended"),
+                None if self.iwarp() => self.dead_event(&l, "the connection ended"),
                 None => EndpointEvent::PeerClosed,
             };
             tracing::debug!(qp = self.qpn, ?event, "peer disconnected");
