@@ -1,0 +1,277 @@
+//! Device tests of the connection items of the provider interface on a verbs flavour:
+//! `connect_start`, the listener's descriptor and `try_accept`, `ep_context`, endpoint
+//! events and `drain`. Shared by the roce and iwarp crates' tests (`#[path]`); they need a
+//! device (the soft-RDMA guest: `scripts/soft-rdma`) and skip, saying so, without one.
+
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fabric_api::spi::{CompletionQueue, Connecting, Domain, Endpoint, EndpointConfig, Listener};
+use fabric_api::{
+    Access, Buffer, Completion, EndpointEvent, EndpointState, ErrorKind, MemoryRegion, RecvWr,
+    RemoteAddr, SendWr, Status,
+};
+use fabric_verbs::{Flavor, VerbsCq, VerbsDomain, VerbsOptions};
+
+const T: Duration = Duration::from_secs(10);
+
+/// Opens the flavour's domain on the address named by `env`, or says why the test skips.
+pub fn open<F: Flavor>(env: &str) -> Option<(VerbsDomain<F>, IpAddr)> {
+    let Some(ip) = std::env::var(env)
+        .ok()
+        .and_then(|a| a.parse::<IpAddr>().ok())
+    else {
+        eprintln!("skipped: {env} names no address (run in the soft-RDMA guest)");
+        return None;
+    };
+    match VerbsDomain::<F>::open(VerbsOptions {
+        address: Some(ip),
+        ..VerbsOptions::default()
+    }) {
+        Ok(d) => Some((d, ip)),
+        Err(e) if e.kind() == ErrorKind::NoDevice => {
+            eprintln!("skipped: {e}");
+            None
+        }
+        Err(e) => panic!("opening the {} domain: {e}", F::NAME),
+    }
+}
+
+fn wait_readable(fd: BorrowedFd<'_>, timeout: Duration) -> bool {
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: `p` is one valid pollfd for the duration of the call.
+    #[allow(unsafe_code)]
+    let n = unsafe { libc::poll(&mut p, 1, timeout.as_millis() as i32) };
+    n == 1 && p.revents & libc::POLLIN != 0
+}
+
+fn readable(fd: BorrowedFd<'_>) -> bool {
+    wait_readable(fd, Duration::ZERO)
+}
+
+fn next<F: Flavor>(cq: &VerbsCq<F>) -> Completion {
+    let deadline = Instant::now() + T;
+    let mut out = Vec::new();
+    while Instant::now() < deadline {
+        if cq.poll(&mut out, 1).unwrap() == 1 {
+            return out.pop().unwrap();
+        }
+        cq.wait(Duration::from_millis(50)).unwrap();
+    }
+    panic!("no completion within {T:?}");
+}
+
+fn region<F: Flavor>(d: &VerbsDomain<F>, acc: Access) -> MemoryRegion {
+    d.register(Arc::new(Buffer::new(4096)), acc).unwrap()
+}
+
+fn cfg<F: Flavor>(cq: &VerbsCq<F>, ep_context: u64) -> EndpointConfig<'_, VerbsCq<F>> {
+    let mut c = EndpointConfig::new(cq);
+    c.sq_depth = 16;
+    c.rq_depth = 16;
+    c.timeout = T;
+    c.ep_context = ep_context;
+    c
+}
+
+/// Connects without blocking through the descriptors only: the listener's tells when
+/// to `try_accept`, the connection's when to poll it.
+fn pair<F: Flavor>(
+    d: &VerbsDomain<F>,
+    ip: IpAddr,
+    ccq: &VerbsCq<F>,
+    scq: &VerbsCq<F>,
+) -> (
+    fabric_verbs::VerbsEndpoint<F>,
+    fabric_verbs::VerbsEndpoint<F>,
+) {
+    let l = d.listen(SocketAddr::new(ip, 0)).unwrap();
+    assert!(
+        !readable(l.as_fd()),
+        "a new listener's descriptor is readable"
+    );
+    assert!(l.try_accept(&cfg(scq, 0xa1)).unwrap().is_none());
+    let t0 = Instant::now();
+    let mut c = d
+        .connect_start(l.local_addr(), &{
+            let mut x = cfg(ccq, 0xc1);
+            x.private_data = b"client";
+            x
+        })
+        .unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "connect_start blocked"
+    );
+    assert!(c.deadline() >= t0 + T && c.deadline() <= Instant::now() + T);
+    // Nobody accepted yet: the connection cannot be done.
+    assert!(c.poll().unwrap().is_none());
+    assert!(wait_readable(l.as_fd(), T), "no connection request came");
+    let s = l
+        .try_accept(&{
+            let mut x = cfg(scq, 0xa1);
+            x.private_data = b"server";
+            x
+        })
+        .unwrap()
+        .expect("a request waits");
+    assert!(
+        !readable(l.as_fd()),
+        "the listener stays readable with no request"
+    );
+    assert!(
+        wait_readable(c.as_fd(), T),
+        "the connection never became ready"
+    );
+    let ep = c.poll().unwrap().expect("connected");
+    assert_eq!(
+        c.poll().map(|_| ()).unwrap_err().kind(),
+        ErrorKind::InvalidState
+    );
+    assert_eq!(ep.peer_private_data(), b"server");
+    assert_eq!(s.peer_private_data(), b"client");
+    (ep, s)
+}
+
+/// The whole sequence on one domain (one device thread set-up per run).
+pub fn conn_items<F: Flavor>(d: VerbsDomain<F>, ip: IpAddr) {
+    let ccq = d.create_cq(64).unwrap();
+    let scq = d.create_cq(64).unwrap();
+    let (c, s) = pair(&d, ip, &ccq, &scq);
+    assert!(c.next_event().is_none() && s.next_event().is_none());
+    assert!(!readable(c.event_fd().unwrap()));
+
+    // ep_context on both queues, success.
+    let src = region(&d, Access::LOCAL_WRITE);
+    let dst = region(&d, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    for i in 0..4 {
+        s.post_recv(&RecvWr::new(100 + i, &[dst.slice(0..64).unwrap()]))
+            .unwrap();
+    }
+    for i in 0..3 {
+        c.post_send(&SendWr::send(i, &[src.slice(0..64).unwrap()]))
+            .unwrap();
+    }
+    // drain waits for the three sends without anyone polling.
+    c.drain(T).unwrap();
+    for _ in 0..3 {
+        let x = next(&ccq);
+        assert_eq!((x.status, x.ep_context), (Status::Success, 0xc1), "{x:?}");
+        let y = next(&scq);
+        assert_eq!((y.status, y.ep_context), (Status::Success, 0xa1), "{y:?}");
+    }
+    // Unsignaled: drained too, no completion.
+    c.post_send(&SendWr::send(9, &[src.slice(0..8).unwrap()]).unsignaled())
+        .unwrap();
+    c.drain(T).unwrap();
+    let y = next(&scq);
+    assert_eq!(y.ep_context, 0xa1);
+    let mut out = Vec::new();
+    assert_eq!(ccq.poll(&mut out, 8).unwrap(), 0, "{out:?}");
+
+    // A send with no receive at the peer waits (RNR, or held for credits): drain times out
+    // naming it.
+    c.post_send(&SendWr::send(10, &[src.slice(0..8).unwrap()]))
+        .unwrap();
+    let e = c.drain(Duration::from_millis(300)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::TimedOut);
+    assert!(e.message().contains("1 send-queue operation "), "{e}");
+    // The peer closes: PeerClosed there is Closed here... the other way round: the server
+    // closes; its event is Closed, ours PeerClosed; the waiting send completes Flushed with
+    // our ep_context.
+    s.close().unwrap();
+    assert_eq!(s.next_event(), Some(EndpointEvent::Closed));
+    assert_eq!(s.next_event(), None);
+    assert!(
+        wait_readable(c.event_fd().unwrap(), T),
+        "no event for the peer's close"
+    );
+    assert_eq!(c.next_event(), Some(EndpointEvent::PeerClosed));
+    assert!(!readable(c.event_fd().unwrap()));
+    assert_eq!(c.state(), EndpointState::Disconnected);
+    let x = next(&ccq);
+    assert_eq!((x.context, x.ep_context), (10, 0xc1), "{x:?}");
+    assert_eq!(x.status, Status::Error(ErrorKind::Flushed));
+    c.close().unwrap();
+    assert_eq!(
+        c.next_event(),
+        None,
+        "a close after the peer's changes no state"
+    );
+    drop((c, s));
+    let mut out = Vec::new();
+    while ccq.poll(&mut out, 64).unwrap() > 0 || scq.poll(&mut out, 64).unwrap() > 0 {}
+    for x in &out {
+        assert!(x.ep_context == 0xc1 || x.ep_context == 0xa1, "{x:?}");
+    }
+
+    // A bad key: the writer's endpoint fails, with the completion's error.
+    let (c, s) = pair(&d, ip, &ccq, &scq);
+    let mut bad: RemoteAddr = dst.desc().at(0);
+    bad.key ^= 0x5a5a_0000;
+    c.post_send(&SendWr::write(20, &[src.slice(0..16).unwrap()], bad))
+        .unwrap();
+    let x = next(&ccq);
+    assert_eq!(x.ep_context, 0xc1);
+    assert!(matches!(x.status, Status::Error(_)), "{x:?}");
+    assert!(wait_readable(c.event_fd().unwrap(), T));
+    match c.next_event() {
+        Some(EndpointEvent::Failed(e)) => {
+            assert_eq!(Status::Error(e.kind()), x.status, "{e}");
+        }
+        other => panic!("expected a failure event, got {other:?}"),
+    }
+    assert_eq!(c.state(), EndpointState::Error);
+    c.close().unwrap();
+    assert_eq!(
+        c.next_event(),
+        None,
+        "a close after a failure changes no state"
+    );
+    drop((c, s));
+
+    // close_drained: what was posted completes Success, then the close.
+    let (c, s) = pair(&d, ip, &ccq, &scq);
+    s.post_recv(&RecvWr::new(1, &[dst.slice(0..64).unwrap()]))
+        .unwrap();
+    c.post_send(&SendWr::send(30, &[src.slice(0..64).unwrap()]))
+        .unwrap();
+    c.close_drained(T).unwrap();
+    let x = next(&ccq);
+    assert_eq!(
+        (x.context, x.status, x.ep_context),
+        (30, Status::Success, 0xc1)
+    );
+    assert_eq!(c.next_event(), Some(EndpointEvent::Closed));
+    drop((c, s));
+
+    // A refused connection fails through poll.
+    let l = d.listen(SocketAddr::new(ip, 0)).unwrap();
+    let gone = l.local_addr();
+    drop(l);
+    let mut c = d.connect_start(gone, &cfg(&ccq, 1)).unwrap();
+    assert!(wait_readable(c.as_fd(), T + Duration::from_secs(2)));
+    let e = c.poll().map(|_| ()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
+
+    // An abandoned connection: the listener accepts it, then sees it closed by the
+    // provider's thread.
+    let l = d.listen(SocketAddr::new(ip, 0)).unwrap();
+    let c = d.connect_start(l.local_addr(), &cfg(&ccq, 2)).unwrap();
+    drop(c);
+    let s = l.accept(&cfg(&scq, 3), T).unwrap();
+    assert!(
+        wait_readable(s.event_fd().unwrap(), T + Duration::from_secs(2)),
+        "the abandoned connection was never closed"
+    );
+    assert_eq!(s.next_event(), Some(EndpointEvent::PeerClosed));
+    drop(s);
+    drop(l);
+    eprintln!("conn_items: every check passed on {} at {ip}", F::NAME);
+}
