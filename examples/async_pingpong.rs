@@ -12,8 +12,10 @@
 //! cargo run -p fabric-examples --example async_pingpong -- --role client --connect SERVER:7472
 //! ```
 //!
-//! Connecting and accepting block (there is no async connect yet), so they happen before
-//! the runtime takes over.
+//! Connecting and accepting are awaited too (`fabric::tokio::connect` and `accept`: the
+//! connection is started without blocking and finished as the peer answers, with the
+//! connection's and the listener's descriptors registered with the runtime). After the
+//! last round trip the server awaits the connection event of the client's close.
 
 use std::future::poll_fn;
 use std::net::SocketAddr;
@@ -68,9 +70,12 @@ fn expect(c: Completion, context: u64) -> Result<Completion> {
     Ok(c)
 }
 
-/// The server: awaits each message, sends the same bytes back.
-async fn server(domain: &AnyDomain, ep: AnyEndpoint, cq: AnyCq, args: &Args) -> Result<()> {
+/// The server: accepts, awaits each message, sends the same bytes back, then awaits the
+/// client's close.
+async fn server(domain: &AnyDomain, listener: &AnyListener, args: &Args) -> Result<()> {
     let size = args.size as usize;
+    let cq = domain.create_cq(16)?;
+    let ep = fabric::tokio::accept(listener, &EndpointConfig::new(&cq)).await?;
     let mut cq = AsyncCq::new(cq)?;
     let buf = domain.alloc(size, Access::LOCAL_WRITE)?;
     ep.post_recv(&RecvWr::new(0, &[buf.all()]))?;
@@ -88,12 +93,19 @@ async fn server(domain: &AnyDomain, ep: AnyEndpoint, cq: AnyCq, args: &Args) -> 
         }
     }
     println!("server: echoed {} messages of {size} B", args.iters);
+    match fabric::tokio::next_event(&ep).await? {
+        EndpointEvent::PeerClosed => println!("server: the client closed the connection"),
+        other => return Err(format!("unexpected connection event {other:?}").into()),
+    }
     Ok(())
 }
 
-/// The client: sends, awaits the echo (completions taken as a `Stream`), checks it.
-async fn client(domain: &AnyDomain, ep: AnyEndpoint, cq: AnyCq, args: &Args) -> Result<()> {
+/// The client: connects, sends, awaits the echo (completions taken as a `Stream`), checks
+/// it; closes.
+async fn client(domain: &AnyDomain, addr: SocketAddr, args: &Args) -> Result<()> {
     let size = args.size as usize;
+    let cq = domain.create_cq(16)?;
+    let ep = fabric::tokio::connect(domain, addr, &EndpointConfig::new(&cq)).await?;
     let mut completions = AsyncCq::new(cq)?;
     let ping = domain.alloc(size, Access::empty())?;
     let pong = domain.alloc(size, Access::LOCAL_WRITE)?;
@@ -127,6 +139,7 @@ async fn client(domain: &AnyDomain, ep: AnyEndpoint, cq: AnyCq, args: &Args) -> 
         args.iters,
         took.as_secs_f64(),
     );
+    ep.close()?;
     Ok(())
 }
 
@@ -142,15 +155,7 @@ fn run() -> Result<()> {
         args.role,
         args.listen,
         args.connect,
-        |d, l| {
-            let cq = d.create_cq(16)?;
-            let ep = l.accept(&EndpointConfig::new(&cq), DEADLINE)?;
-            block_on(server(d, ep, cq, &args))
-        },
-        |d, a| {
-            let cq = d.create_cq(16)?;
-            let ep = d.connect(a, &EndpointConfig::new(&cq))?;
-            block_on(client(d, ep, cq, &args))
-        },
+        |d, l| block_on(server(d, l, &args)),
+        |d, a| block_on(client(d, a, &args)),
     )
 }
