@@ -110,6 +110,31 @@ impl Notifier {
     }
 }
 
+/// Waits up to `timeout` (zero: not at all) for `fd` to become readable, with `poll(2)`;
+/// returns whether it is. For checking a descriptor of this crate's kind (a queue, a
+/// listener, a connection in the making, endpoint events) without an event loop.
+pub fn wait_readable(fd: BorrowedFd<'_>, timeout: std::time::Duration) -> io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+    loop {
+        #[allow(unsafe_code)]
+        // SAFETY: `p` is one valid, initialised pollfd that outlives the call, and the
+        // count says one.
+        let n = unsafe { libc::poll(&mut p, 1, ms) };
+        match n {
+            -1 if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
+            -1 => return Err(io::Error::last_os_error()),
+            0 => return Ok(false),
+            _ => return Ok(p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0),
+        }
+    }
+}
+
 /// What happened to a connection, reported once per change of an endpoint's state (see
 /// [`spi::Endpoint::next_event`](crate::spi::Endpoint::next_event)).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -185,18 +210,9 @@ impl EndpointEvents {
 mod tests {
     use super::*;
     use crate::ErrorKind;
-    use std::os::fd::AsRawFd;
 
     fn readable(fd: BorrowedFd<'_>) -> bool {
-        let mut p = libc::pollfd {
-            fd: fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        #[allow(unsafe_code)]
-        // SAFETY: `p` is one valid pollfd for the duration of the call.
-        let n = unsafe { libc::poll(&mut p, 1, 0) };
-        n == 1 && p.revents & libc::POLLIN != 0
+        wait_readable(fd, std::time::Duration::ZERO).unwrap()
     }
 
     #[test]

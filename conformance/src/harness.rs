@@ -500,20 +500,7 @@ pub fn expect_none(cq: &AnyCq, dur: Duration) -> CaseResultOf {
 
 /// Whether `fd` becomes readable within `timeout` (zero: is it readable now).
 pub fn readable(fd: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> Result<bool, String> {
-    use std::os::fd::AsRawFd;
-    let mut poll = mio::Poll::new().map_err(|e| format!("epoll: {e}"))?;
-    let raw = fd.as_raw_fd();
-    poll.registry()
-        .register(
-            &mut mio::unix::SourceFd(&raw),
-            mio::Token(0),
-            mio::Interest::READABLE,
-        )
-        .map_err(|e| format!("epoll_ctl: {e}"))?;
-    let mut events = mio::Events::with_capacity(1);
-    poll.poll(&mut events, Some(timeout))
-        .map_err(|e| format!("epoll_wait: {e}"))?;
-    Ok(!events.is_empty())
+    fabric::notify::wait_readable(fd, timeout).map_err(|e| format!("poll: {e}"))
 }
 
 /// Waits until `ep` reaches `state`.
