@@ -11,23 +11,86 @@
 //! ([`RdmEndpoint::poll`], [`RdmEndpoint::wait`]); one-sided operations (and the reads of
 //! the rendezvous protocol) progress in the provider.
 //!
-//! ```no_run
-//! use std::sync::Arc;
+//! # Example: a client and a server
+//! Each side is what one process would run: its own domain (here the tcp provider over
+//! loopback) and its own endpoint. The names they exchange out of band (a file, the
+//! launcher, a socket) go through channels here. The client posts the receive for the
+//! reply, then sends a request tagged `REQUEST | 5`; the server receives any request from
+//! any peer (the low 32 bits of the tag are ignored, and the completion tells which peer
+//! and which tag), and answers with the same sequence number. Every completion is awaited
+//! with a deadline.
+//!
+//! ```
+//! use std::sync::{mpsc, Arc};
+//! use std::time::Duration;
 //! use fabric::prelude::*;
-//! use fabric_rdm::{RdmConfig, RdmEndpoint, RecvBuf, Source};
-//! # fn main() -> fabric::Result<()> {
-//! let (domain, _) = fabric::Selector::from_env()?.open()?;
-//! let domain = Arc::new(domain);
-//! let ep = RdmEndpoint::new(domain.clone(), RdmConfig::default())?;
-//! let peer = ep.av_insert_name(&std::fs::read("peer.name")?)?; // exchanged out of band
-//! let src = domain.alloc(4096, Access::LOCAL_WRITE)?;
-//! ep.tsend(peer, 42, src.slice(0..4096)?, 1)?;
-//! let dst = Arc::new(domain.alloc(4096, Access::LOCAL_WRITE)?);
-//! ep.trecv(Source::Any, 42, 0, RecvBuf::whole(dst), 2)?;
-//! for _ in 0..2 {
-//!     let c = ep.next_completion(std::time::Duration::from_secs(10))?;
-//!     println!("{:?} {:?} from {:?}, {} bytes", c.op, c.status, c.peer, c.len);
+//! use fabric_rdm::{RdmConfig, RdmEndpoint, RdmOp, RecvBuf, Source};
+//!
+//! const REQUEST: u64 = 1 << 32; // the kind in the high bits of the tag,
+//! const REPLY: u64 = 2 << 32;
+//! const SEQ: u64 = 0xffff_ffff; // a sequence number in the low ones
+//! const DEADLINE: Duration = Duration::from_secs(10);
+//!
+//! /// What one process opens: a domain and an RDM endpoint in it.
+//! fn open() -> fabric::Result<(Arc<AnyDomain>, RdmEndpoint)> {
+//!     let (domain, _) = fabric::Selector::new().providers("tcp")?.open()?;
+//!     let domain = Arc::new(domain);
+//!     let ep = RdmEndpoint::new(domain.clone(), RdmConfig::default())?;
+//!     Ok((domain, ep))
 //! }
+//!
+//! # fn main() -> fabric::Result<()> {
+//! let (server_name_tx, server_name_rx) = mpsc::channel::<Vec<u8>>();
+//! let (client_name_tx, client_name_rx) = mpsc::channel::<Vec<u8>>();
+//!
+//! // The server.
+//! let server = std::thread::spawn(move || -> fabric::Result<()> {
+//!     let (domain, ep) = open()?;
+//!     server_name_tx.send(ep.name()).expect("client");
+//!     let client = ep.av_insert_name(&client_name_rx.recv().expect("client"))?;
+//!     let req = Arc::new(domain.alloc(64, Access::LOCAL_WRITE)?);
+//!     ep.trecv(Source::Any, REQUEST, SEQ, RecvBuf::whole(req.clone()), 1)?;
+//!     let c = ep.next_completion(DEADLINE)?;
+//!     assert!(c.is_ok() && c.op == RdmOp::TaggedRecv, "{c:?}");
+//!     assert_eq!((c.peer, c.tag, c.len), (Some(client), REQUEST | 5, 5));
+//!     let text = req.buffer().to_vec(0, c.len as usize);
+//!     assert_eq!(text, b"hello");
+//!
+//!     let reply = domain.alloc(64, Access::LOCAL_WRITE)?;
+//!     reply.buffer().write(0, &text.to_ascii_uppercase());
+//!     ep.tsend(client, REPLY | (c.tag & SEQ), reply.slice(0..5)?, 2)?;
+//!     let c = ep.next_completion(DEADLINE)?;
+//!     assert!(c.is_ok() && c.op == RdmOp::TaggedSend, "{c:?}");
+//!     ep.close(DEADLINE)?; // the reply is on its way before the endpoint goes
+//!     Ok(())
+//! });
+//!
+//! // The client.
+//! let (domain, ep) = open()?;
+//! client_name_tx.send(ep.name()).expect("server");
+//! let server_peer = ep.av_insert_name(&server_name_rx.recv().expect("server"))?;
+//! let reply = Arc::new(domain.alloc(64, Access::LOCAL_WRITE)?);
+//! let from = Source::Peer(server_peer);
+//! ep.trecv(from, REPLY | 5, 0, RecvBuf::whole(reply.clone()), 20)?;
+//! let req = domain.alloc(64, Access::LOCAL_WRITE)?;
+//! req.buffer().write(0, b"hello");
+//! ep.tsend(server_peer, REQUEST | 5, req.slice(0..5)?, 10)?;
+//! let (mut sent, mut replied) = (false, false);
+//! while !(sent && replied) {
+//!     let c = ep.next_completion(DEADLINE)?; // TimedOut past the deadline
+//!     assert!(c.is_ok(), "{c:?}");
+//!     match c.context {
+//!         10 => sent = true,
+//!         20 => {
+//!             assert_eq!((c.peer, c.tag, c.len), (Some(server_peer), REPLY | 5, 5));
+//!             replied = true;
+//!         }
+//!         other => unreachable!("context {other}"),
+//!     }
+//! }
+//! assert_eq!(reply.buffer().to_vec(0, 5), b"HELLO");
+//! ep.close(DEADLINE)?;
+//! server.join().expect("server thread")?;
 //! # Ok(()) }
 //! ```
 //!
