@@ -4,7 +4,7 @@
 //! device (the soft-RDMA guest: `scripts/soft-rdma`) and skip, saying so, without one.
 
 use std::net::{IpAddr, SocketAddr};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -40,15 +40,7 @@ pub fn open<F: Flavor>(env: &str) -> Option<(VerbsDomain<F>, IpAddr)> {
 }
 
 fn wait_readable(fd: BorrowedFd<'_>, timeout: Duration) -> bool {
-    let mut p = libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: `p` is one valid pollfd for the duration of the call.
-    #[allow(unsafe_code)]
-    let n = unsafe { libc::poll(&mut p, 1, timeout.as_millis() as i32) };
-    n == 1 && p.revents & libc::POLLIN != 0
+    fabric_api::notify::wait_readable(fd, timeout).expect("poll(2)")
 }
 
 fn readable(fd: BorrowedFd<'_>) -> bool {
