@@ -75,6 +75,54 @@ impl<'a, C> EndpointConfig<'a, C> {
     }
 }
 
+/// An [`EndpointConfig`] that owns its parts (the queue handles cloned, the private data
+/// copied): what a connection in the making keeps while the caller's borrow ends.
+#[derive(Debug, Clone)]
+pub struct OwnedEndpointConfig<C> {
+    /// Completion queue for send-queue operations.
+    pub send_cq: C,
+    /// Completion queue for receives.
+    pub recv_cq: C,
+    /// Send queue depth.
+    pub sq_depth: u32,
+    /// Receive queue depth.
+    pub rq_depth: u32,
+    /// Private data carried on connect or accept.
+    pub private_data: Vec<u8>,
+    /// Connection establishment timeout.
+    pub timeout: Duration,
+    /// The application's value for the endpoint's completions.
+    pub ep_context: u64,
+}
+
+impl<C: Clone> OwnedEndpointConfig<C> {
+    /// Clones the queue handles of `cfg` and copies its private data.
+    pub fn of(cfg: &EndpointConfig<'_, C>) -> Self {
+        OwnedEndpointConfig {
+            send_cq: cfg.send_cq.clone(),
+            recv_cq: cfg.recv_cq.clone(),
+            sq_depth: cfg.sq_depth,
+            rq_depth: cfg.rq_depth,
+            private_data: cfg.private_data.to_vec(),
+            timeout: cfg.timeout,
+            ep_context: cfg.ep_context,
+        }
+    }
+
+    /// The configuration, borrowed from this one.
+    pub fn config(&self) -> EndpointConfig<'_, C> {
+        EndpointConfig {
+            send_cq: &self.send_cq,
+            recv_cq: &self.recv_cq,
+            sq_depth: self.sq_depth,
+            rq_depth: self.rq_depth,
+            private_data: &self.private_data,
+            timeout: self.timeout,
+            ep_context: self.ep_context,
+        }
+    }
+}
+
 /// A protection domain on one device: registers memory, creates queues, connects.
 pub trait Domain: Send + Sync + Debug {
     /// The provider's completion queue.

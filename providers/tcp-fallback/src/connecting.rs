@@ -7,25 +7,13 @@ use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
-use fabric_api::spi::{self, EndpointConfig};
+use fabric_api::spi::{self, EndpointConfig, OwnedEndpointConfig};
 use fabric_api::{Error, ErrorKind, ProviderCode, Result};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token};
 
 use crate::wire::mpa::{self, MpaFrame};
 use crate::{setup, TcpCq, TcpDomain, TcpEndpoint};
-
-/// What the connection keeps of its [`EndpointConfig`] (handles and copies).
-#[derive(Debug)]
-struct Config {
-    send_cq: TcpCq,
-    recv_cq: TcpCq,
-    sq_depth: u32,
-    rq_depth: u32,
-    private_data: Vec<u8>,
-    timeout: Duration,
-    ep_context: u64,
-}
 
 #[derive(Debug)]
 enum Phase {
@@ -50,7 +38,7 @@ enum Phase {
 pub struct TcpConnecting {
     domain: TcpDomain,
     addr: SocketAddr,
-    cfg: Config,
+    cfg: OwnedEndpointConfig<TcpCq>,
     poll: Poll,
     events: Events,
     /// Until the connection is handed out.
@@ -115,15 +103,7 @@ impl TcpConnecting {
         Ok(TcpConnecting {
             domain: domain.clone(),
             addr,
-            cfg: Config {
-                send_cq: cfg.send_cq.clone(),
-                recv_cq: cfg.recv_cq.clone(),
-                sq_depth: cfg.sq_depth,
-                rq_depth: cfg.rq_depth,
-                private_data: cfg.private_data.to_vec(),
-                timeout: cfg.timeout,
-                ep_context: cfg.ep_context,
-            },
+            cfg: OwnedEndpointConfig::of(cfg),
             poll,
             events: Events::with_capacity(4),
             sock: Some(sock),
@@ -221,16 +201,9 @@ impl TcpConnecting {
             .registry()
             .deregister(&mut SourceFd(&sock.as_raw_fd()));
         let sock = self.sock.take().expect("checked above");
-        let cfg = EndpointConfig {
-            send_cq: &self.cfg.send_cq,
-            recv_cq: &self.cfg.recv_cq,
-            sq_depth: self.cfg.sq_depth,
-            rq_depth: self.cfg.rq_depth,
-            private_data: &self.cfg.private_data,
-            timeout: self.cfg.timeout,
-            ep_context: self.cfg.ep_context,
-        };
-        self.domain.finish_endpoint(sock, &cfg, neg).map(Some)
+        self.domain
+            .finish_endpoint(sock, &self.cfg.config(), neg)
+            .map(Some)
     }
 }
 

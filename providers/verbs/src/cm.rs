@@ -555,15 +555,7 @@ mod tests {
     use std::os::fd::{AsRawFd, BorrowedFd};
 
     fn readable(fd: BorrowedFd<'_>) -> bool {
-        let mut p = libc::pollfd {
-            fd: fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        #[allow(unsafe_code)]
-        // SAFETY: `p` is one valid pollfd for the duration of the call.
-        let n = unsafe { libc::poll(&mut p, 1, 0) };
-        n == 1 && p.revents & libc::POLLIN != 0
+        fabric_api::notify::wait_readable(fd, Duration::ZERO).expect("poll")
     }
 
     /// An event that owns no identifier (nothing adopts it in these tests).

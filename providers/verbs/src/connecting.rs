@@ -110,43 +110,7 @@ impl<T> Handoff<T> {
     }
 }
 
-/// What a connection in the making keeps of its configuration: the queues are handles
-/// (shared), the private data a copy.
-struct OwnedConfig<F: Flavor> {
-    send_cq: VerbsCq<F>,
-    recv_cq: VerbsCq<F>,
-    sq_depth: u32,
-    rq_depth: u32,
-    private_data: Vec<u8>,
-    timeout: Duration,
-    ep_context: u64,
-}
-
-impl<F: Flavor> OwnedConfig<F> {
-    fn of(cfg: &EndpointConfig<'_, VerbsCq<F>>) -> Self {
-        OwnedConfig {
-            send_cq: cfg.send_cq.clone(),
-            recv_cq: cfg.recv_cq.clone(),
-            sq_depth: cfg.sq_depth,
-            rq_depth: cfg.rq_depth,
-            private_data: cfg.private_data.to_vec(),
-            timeout: cfg.timeout,
-            ep_context: cfg.ep_context,
-        }
-    }
-
-    fn config(&self) -> EndpointConfig<'_, VerbsCq<F>> {
-        EndpointConfig {
-            send_cq: &self.send_cq,
-            recv_cq: &self.recv_cq,
-            sq_depth: self.sq_depth,
-            rq_depth: self.rq_depth,
-            private_data: &self.private_data,
-            timeout: self.timeout,
-            ep_context: self.ep_context,
-        }
-    }
-}
+type OwnedConfig<F> = fabric_api::spi::OwnedEndpointConfig<VerbsCq<F>>;
 
 /// A connection of a verbs provider being set up without blocking the application: what
 /// [`connect_start`](spi::Domain::connect_start) returns.
@@ -252,15 +216,7 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     fn readable(fd: BorrowedFd<'_>) -> bool {
-        let mut p = libc::pollfd {
-            fd: fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        #[allow(unsafe_code)]
-        // SAFETY: `p` is one valid pollfd for the duration of the call.
-        let n = unsafe { libc::poll(&mut p, 1, 0) };
-        n == 1 && p.revents & libc::POLLIN != 0
+        fabric_api::notify::wait_readable(fd, Duration::ZERO).expect("poll")
     }
 
     /// Stands for an endpoint: counts its drops (a dropped endpoint is a closed one).
