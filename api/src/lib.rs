@@ -14,9 +14,11 @@
 //! [`spi::CompletionQueue`] and [`spi::Endpoint`]) or to write code generic over providers,
 //! as below.
 //!
-//! The only `unsafe` code lives in [`mem`], the audited module that owns registered memory:
-//! [`Buffer`] is a page-aligned allocation with a stable address, shared by its region and by
-//! every operation in flight, and read and written from Rust only through 64-bit atomic copies
+//! `unsafe` code lives in [`mem`], the audited module that owns registered memory (and in
+//! one `poll(2)` call, [`notify::wait_readable`]): [`Buffer`] is an allocation with a stable
+//! address (the framework's own, page-aligned, or memory the application handed over: a
+//! `Vec`, huge pages, a foreign allocator's), shared by its region and by every operation in
+//! flight, and read and written from Rust only through 64-bit atomic copies
 //! ([`Buffer::read`], [`Buffer::write`]), so a peer writing into it at the same moment is
 //! never undefined behaviour (contract section 2; the README's "Registered memory without
 //! undefined behaviour").

@@ -333,13 +333,13 @@ unsafe impl Send for Mr {}
 unsafe impl Sync for Mr {}
 
 impl Mr {
-    /// Registers the whole buffer (at least one byte: a zero-length buffer still owns a
-    /// page, so the extra byte is inside its allocation).
+    /// Registers the whole buffer (at least one byte: every buffer, a zero-length one
+    /// too, owns at least one whole 8-byte word, so the extra byte is inside it).
     pub fn register(pd: &Arc<Pd>, buf: &Arc<fabric_api::Buffer>, flags: u32) -> io::Result<Mr> {
         let len = buf.len().max(1);
-        // SAFETY: the PD is live; the buffer is valid for `len` bytes (its allocation is
-        // page-sized) and this Mr holds an Arc of it, so it is freed only after
-        // ibv_dereg_mr in Drop.
+        // SAFETY: the PD is live; the buffer is valid for `len` bytes (its length, or the
+        // one whole word every buffer owns when it is empty: `Buffer::as_mut_ptr`) and this
+        // Mr holds an Arc of it, so it is freed only after ibv_dereg_mr in Drop.
         let ptr = unsafe { sys::ibv_reg_mr(pd.ptr, buf.as_mut_ptr().cast(), len, flags as i32) };
         if ptr.is_null() {
             return Err(last_err());
