@@ -22,6 +22,7 @@ pub(super) fn cases() -> Vec<Case> {
         "msg.gather_and_scatter_lists", "3", OpSet::SEND => gather_scatter;
         "msg.gather_list_over_max", "3", OpSet::SEND => sge_over_max;
         "msg.zero_byte_message", "3", OpSet::SEND => zero_byte;
+        "msg.zero_byte_message_empty_receive", "3", OpSet::SEND => zero_byte_empty_receive;
         "msg.inline_buffer_free_at_once", "3", OpSet::SEND | OpSet::INLINE | OpSet::RNR_WAIT => inline_free;
         "msg.inline_over_max", "3", OpSet::SEND | OpSet::INLINE => inline_over_max;
         "msg.two_processes", "3", OpSet::SEND => two_processes;
@@ -237,6 +238,33 @@ fn zero_byte(ctx: &Ctx) -> CaseResultOf {
         "zero-byte message changed the buffer"
     );
     expect_ok(&p.cqa, 2, Opcode::Send)?;
+    Ok(())
+}
+
+/// A receive with no scatter entries takes a zero-byte message (and is a receive like any
+/// other: it consumes one message, in order).
+fn zero_byte_empty_receive(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let dst = region(&p.db, 16, Access::LOCAL_WRITE)?;
+    p.b.post_recv(&RecvWr::new(1, &[]))
+        .ctx("post_recv with no entries")?;
+    p.b.post_recv(&RecvWr::new(2, &[dst.all()]))
+        .ctx("post_recv")?;
+    let src = region(&p.da, 16, Access::empty())?;
+    src.buffer().write(0, b"second");
+    p.a.post_send(&SendWr::send(3, &[])).ctx("post_send")?;
+    p.a.post_send(&SendWr::send(4, &[src.slice(0..6).ctx("s")?]))
+        .ctx("post_send")?;
+    let r = expect_ok(&p.cqb, 1, Opcode::Recv)?;
+    ensure!(r.byte_len == 0, "length {}", r.byte_len);
+    let r = expect_ok(&p.cqb, 2, Opcode::Recv)?;
+    ensure!(
+        r.byte_len == 6 && dst.buffer().to_vec(0, 6) == b"second",
+        "second message: {} bytes, {:?}",
+        r.byte_len,
+        dst.buffer().to_vec(0, 6)
+    );
+    crate::harness::expect_ok_each(&p.cqa, &[(3, Opcode::Send), (4, Opcode::Send)])?;
     Ok(())
 }
 

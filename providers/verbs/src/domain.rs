@@ -21,7 +21,7 @@ use crate::connecting::VerbsConnecting;
 use crate::cq::{CqInner, VerbsCq};
 use crate::device::{self, DeviceFacts};
 use crate::emu::{self, AtomicKeys, ExtDesc};
-use crate::ep::{CreditArea, EarlyRing, EmuLink, EpCore, EpParts, VerbsEndpoint};
+use crate::ep::{CreditArea, EarlyRing, EmuLink, EpCore, EpParts, VerbsEndpoint, HELLO_WAIT};
 use crate::ffi::{self, access, cm_event, CmEvent, CmId, ConnParam, Ctx, HwCq, Mr, Pd, QpCaps};
 use crate::{Flavor, Profile, Selection, Transport, VerbsOptions};
 
@@ -850,6 +850,7 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
             id: Some(id),
             mb,
             local,
+            hello: Mutex::new(None),
         })
     }
 
@@ -1080,6 +1081,40 @@ pub struct VerbsListener<F: Flavor> {
     id: Option<CmId>,
     mb: Arc<Mailbox>,
     local: SocketAddr,
+    /// An accepted connection waiting for its peer's hello mark (see [`HelloWait`]).
+    hello: Mutex<Option<HelloWait<F>>>,
+}
+
+/// A connection accepted from a peer whose request carried no frame of this framework:
+/// this framework's tcp provider, or a foreign iWARP stack. The tcp provider writes its
+/// hello mark once its side has read the reply, which may take its application's next
+/// look at its connection in the making (`Connecting::poll`): possibly on the very thread
+/// that is accepting here (a ring). So the decision is taken without blocking, on this and
+/// later calls of `try_accept` (`accept` waits for it), and at most [`HELLO_WAIT`] after
+/// the accept a silent peer counts as foreign.
+struct HelloWait<F: Flavor> {
+    id: CmId,
+    mb: Arc<Mailbox>,
+    /// The configuration of the call that accepted it (its queues hold the queue pair).
+    cfg: spi::OwnedEndpointConfig<VerbsCq<F>>,
+    peer_private: Vec<u8>,
+    credit: CreditPair,
+    extras: AcceptExtras,
+    hw_sq_cap: usize,
+    since: Instant,
+}
+
+impl<F: Flavor> HelloWait<F> {
+    /// `Some(true)`: this framework's tcp provider; `Some(false)`: a foreign stack;
+    /// `None`: not known yet.
+    fn peer_is_ours(&self) -> Option<bool> {
+        let seen = CreditArea::hello_seen(
+            self.credit.1.as_ref(),
+            &self.cfg.recv_cq.inner,
+            self.id.qp_num(),
+        );
+        seen.or_else(|| (self.since.elapsed() >= HELLO_WAIT).then_some(false))
+    }
 }
 
 impl<F: Flavor> fmt::Debug for VerbsListener<F> {
@@ -1149,6 +1184,29 @@ impl<F: Flavor> VerbsListener<F> {
     ) -> Result<Option<VerbsEndpoint<F>>> {
         let d = &self.dom.inner;
         loop {
+            // A connection accepted earlier that waits for its peer's hello comes first.
+            let mut waiting = self.hello.lock().expect("listener poisoned");
+            if let Some(w) = waiting.as_ref() {
+                match w.peer_is_ours() {
+                    Some(ours) => {
+                        let w = waiting.take().expect("checked");
+                        drop(waiting);
+                        self.mb.lower_requests();
+                        return Ok(Some(self.go_live(w, !ours)));
+                    }
+                    None if deadline.is_none_or(|t| Instant::now() >= t) => {
+                        // Readable until it is decided: the caller comes back.
+                        self.mb.requests().raise();
+                        return Ok(None);
+                    }
+                    None => {
+                        drop(waiting);
+                        std::thread::sleep(Duration::from_millis(1));
+                        continue;
+                    }
+                }
+            }
+            drop(waiting);
             let Some(ev) = self.mb.take_request(deadline) else {
                 return Ok(None);
             };
@@ -1171,24 +1229,23 @@ impl<F: Flavor> VerbsListener<F> {
             let peer_ext = ExtDesc::find(&ev.private_data, peer_private.len());
             let foreign = ev.private_data.first() != Some(&pdata::MAGIC);
             match self.finish_accept(&mut id, cfg, &ev, peer_credit, (peer_ext, foreign)) {
-                Ok((mb, (credit, sink), (emu, mut early), hw_sq_cap)) => {
-                    // A peer without our frame that wrote its hello mark is this
-                    // framework's tcp provider, not a foreign stack.
-                    let foreign = foreign
-                        && !CreditArea::hello(sink.as_ref(), &cfg.recv_cq.inner, id.qp_num());
-                    if let Some(e) = early.as_mut() {
-                        e.fillers = !foreign;
-                    }
-                    let ep = self.dom.endpoint(
+                Ok((mb, credit, extras, hw_sq_cap)) => {
+                    let w = HelloWait {
                         id,
-                        cfg,
+                        mb,
+                        cfg: spi::OwnedEndpointConfig::of(cfg),
                         peer_private,
-                        (credit, sink),
-                        (emu, foreign, early),
+                        credit,
+                        extras,
                         hw_sq_cap,
-                    );
-                    self.dom.go_live(&ep, &mb);
-                    return Ok(Some(ep));
+                        since: Instant::now(),
+                    };
+                    if !foreign {
+                        return Ok(Some(self.go_live(w, false)));
+                    }
+                    // A peer without our frame: this framework's tcp provider if it
+                    // writes its hello mark, else a foreign stack (see `HelloWait`).
+                    *self.hello.lock().expect("listener poisoned") = Some(w);
                 }
                 Err(e) => {
                     if e.kind() == ErrorKind::InvalidArgument {
@@ -1205,6 +1262,26 @@ impl<F: Flavor> VerbsListener<F> {
                 }
             }
         }
+    }
+
+    /// Makes the endpoint of an accepted connection and brings it to life; `foreign`: the
+    /// peer is not of this framework.
+    fn go_live(&self, w: HelloWait<F>, foreign: bool) -> VerbsEndpoint<F> {
+        let (emu, mut early) = w.extras;
+        if let Some(e) = early.as_mut() {
+            // This framework's tcp provider consumes the early receives with fillers.
+            e.fillers = !foreign;
+        }
+        let ep = self.dom.endpoint(
+            w.id,
+            &w.cfg.config(),
+            w.peer_private,
+            w.credit,
+            (emu, foreign, early),
+            w.hw_sq_cap,
+        );
+        self.dom.go_live(&ep, &w.mb);
+        ep
     }
 
     fn finish_accept(
@@ -1280,6 +1357,14 @@ impl<F: Flavor> Drop for VerbsListener<F> {
         if let Some(id) = self.id.take() {
             d.cm.unregister(id.key());
             drop(id);
+        }
+        let waiting = self.hello.get_mut().map(Option::take).unwrap_or(None);
+        if let Some(w) = waiting {
+            // Accepted, never handed out: the connection goes down with its identifier.
+            if w.extras.1.is_some() {
+                w.cfg.recv_cq.inner.release_internal(EarlyRing::SLOTS);
+            }
+            d.cm.reap(w.id);
         }
         for ev in self.mb.take_all() {
             if ev.kind == cm_event::RDMA_CM_EVENT_CONNECT_REQUEST {

@@ -173,36 +173,32 @@ impl CreditArea {
         }
     }
 
-    /// After accepting a peer whose request had no frame of this framework: true when it
-    /// wrote the hello mark into our area (`sink`), as this framework's tcp provider does
-    /// first thing (it read our reply's frame), before its filler sends; false for a
-    /// foreign iWARP stack. Decided by whichever comes first: the mark, a message in an
-    /// early receive of queue pair `qpn` without the mark (RDMAP places the mark before a
-    /// later send completes, so a message without it is from a foreign peer), or
-    /// [`HELLO_WAIT`] of silence. Drains `recv_cq` (no endpoint lock may be held): early
-    /// completions of the not yet registered queue pair are kept as orphans.
-    pub fn hello(sink: Option<&(Arc<Buffer>, Mr)>, recv_cq: &CqInner, qpn: u32) -> bool {
+    /// After accepting a peer whose request had no frame of this framework, one look
+    /// (never a wait): `Some(true)` when it wrote the hello mark into our area (`sink`),
+    /// as this framework's tcp provider does first thing once it read our reply's frame,
+    /// before its filler sends; `Some(false)` for a foreign iWARP stack: no area, or a
+    /// message in an early receive of queue pair `qpn` without the mark (RDMAP places the
+    /// mark before a later send completes, so a message without it is from a foreign
+    /// peer); `None` while neither happened (the caller gives up after [`HELLO_WAIT`] of
+    /// silence). Drains `recv_cq` (no endpoint lock may be held): early completions of the
+    /// not yet registered queue pair are kept as orphans.
+    pub fn hello_seen(
+        sink: Option<&(Arc<Buffer>, Mr)>,
+        recv_cq: &CqInner,
+        qpn: u32,
+    ) -> Option<bool> {
         let Some((buf, _)) = sink else {
-            return false;
+            return Some(false);
         };
-        let deadline = Instant::now() + HELLO_WAIT;
-        loop {
-            if area_word(buf, credit::HELLO) != 0 {
-                return true;
-            }
-            let sent = {
-                let mut cst = recv_cq.lock();
-                recv_cq.drain(&mut cst);
-                cst.orphans.iter().any(|w| w.qp_num == qpn)
-            };
-            if sent {
-                return area_word(buf, credit::HELLO) != 0;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(1));
+        if area_word(buf, credit::HELLO) != 0 {
+            return Some(true);
         }
+        let sent = {
+            let mut cst = recv_cq.lock();
+            recv_cq.drain(&mut cst);
+            cst.orphans.iter().any(|w| w.qp_num == qpn)
+        };
+        sent.then(|| area_word(buf, credit::HELLO) != 0)
     }
 
     /// Our area's descriptor for the peer (private data).
@@ -1788,7 +1784,21 @@ impl EpCore {
     }
 
     pub fn post_recv(self: &Arc<Self>, wr: &RecvWr<'_>) -> Result<()> {
-        let (sges, holds, _) = self.sges(wr.sgl, Access::LOCAL_WRITE)?;
+        let (mut sges, holds, _) = self.sges(wr.sgl, Access::LOCAL_WRITE)?;
+        if sges.is_empty() {
+            // A receive for zero-byte messages: siw's user-space provider refuses a
+            // receive without entries (EINVAL); one entry of length 0 in our own area is
+            // the same receive. rxe and InfiniBand take none, and have no area.
+            let area = (self.credit.as_ref().map(|c| (&c.buf, &c.mr)))
+                .or_else(|| self.sink.as_ref().map(|(b, m)| (b, m)));
+            if let Some((buf, mr)) = area {
+                sges.push(Sge {
+                    addr: buf.addr() + credit::SCRATCH as u64,
+                    len: 0,
+                    lkey: mr.lkey(),
+                });
+            }
+        }
         if self.early.is_some() {
             let l = self.lock();
             if l.early_matched < l.early.len() {
