@@ -2,7 +2,7 @@
 //! columns of fabtests (bytes, iters, total, time, MB/sec, usec/xfer, Mxfers/sec).
 //!
 //! ```text
-//! fabric perf pingpong|bw|lat --op send|write|read|fetch_add|compare_swap
+//! fabric perf pingpong|bw|lat --op send|write|write_imm|read|fetch_add|compare_swap
 //!             [--size N | --sizes 8,64,1K,64K,1M] [--iters N] [--provider P]
 //!             [--role server --listen ADDR | --role client --connect ADDR] [--format text|json]
 //! ```
@@ -13,7 +13,9 @@
 //! What each test measures (the client does the timing):
 //! * `pingpong`: send: the client sends, the server echoes the message back; write: each side
 //!   writes into the other's memory and polls the last byte for the iteration's marker, as
-//!   `ib_write_lat` does. usec/xfer is one-way: half a round trip (fabtests' pingpong counts
+//!   `ib_write_lat` does; write_imm: each side writes with immediate data into the other's
+//!   memory and waits for the receive it consumes there, as the send pingpong does (what
+//!   a middleware's "data is there" notification costs). usec/xfer is one-way: half a round trip (fabtests' pingpong counts
 //!   two transfers per iteration). For read and the atomics one transfer is itself a round
 //!   trip (request and response): usec/xfer is the whole operation, as `ib_read_lat` and
 //!   `ib_atomic_lat` report it, and the server application does nothing.
@@ -103,6 +105,9 @@ pub(crate) enum Op {
     Send,
     /// RDMA write.
     Write,
+    /// RDMA write with immediate data (consumes a receive at the target).
+    #[value(name = "write_imm", alias = "write-imm")]
+    WriteImm,
     /// RDMA read.
     Read,
     /// 64-bit fetch-and-add.
@@ -176,6 +181,7 @@ impl Op {
         match self {
             Op::Send => "send",
             Op::Write => "write",
+            Op::WriteImm => "write_imm",
             Op::Read => "read",
             Op::FetchAdd => "fetch_add",
             Op::CompareSwap => "compare_swap",
@@ -185,7 +191,7 @@ impl Op {
         self as u8
     }
     fn from_code(c: u8) -> Option<Op> {
-        [Op::Send, Op::Write, Op::Read, Op::FetchAdd, Op::CompareSwap]
+        [Op::Send, Op::Write, Op::WriteImm, Op::Read, Op::FetchAdd, Op::CompareSwap]
             .into_iter()
             .find(|o| o.code() == c)
     }
@@ -193,6 +199,7 @@ impl Op {
         match self {
             Op::Send => OpSet::SEND,
             Op::Write => OpSet::WRITE,
+            Op::WriteImm => OpSet::WRITE_IMM,
             Op::Read => OpSet::READ,
             Op::FetchAdd => OpSet::FETCH_ADD,
             Op::CompareSwap => OpSet::COMPARE_SWAP,
@@ -204,7 +211,12 @@ impl Op {
     /// Whether one transfer of a ping-pong is one way (send, write) rather than a round
     /// trip (read, atomics).
     fn one_way(self) -> bool {
-        matches!(self, Op::Send | Op::Write)
+        matches!(self, Op::Send | Op::Write | Op::WriteImm)
+    }
+
+    /// Whether each transfer consumes a receive at the target (send, write_imm).
+    fn consumes_recv(self) -> bool {
+        matches!(self, Op::Send | Op::WriteImm)
     }
 }
 

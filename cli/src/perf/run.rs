@@ -149,7 +149,7 @@ fn signal(ctx: u64) -> bool {
 
 /// Receives the server keeps posted, from the client's hello.
 fn server_recvs(op: Op, max_size: u64, window: u64) -> (u64, u64) {
-    if op == Op::Send {
+    if op.consumes_recv() {
         let slot = max_size.max(CTRL_LEN as u64);
         ((RECV_POOL_BYTES / slot).clamp(4, window.max(4)), slot)
     } else {
@@ -450,7 +450,18 @@ pub(crate) fn serve(domain: &AnyDomain, listener: &AnyListener) -> Result<(), St
                     r.post(|| ep.post_send(&wr))?;
                 }
             }
-            (Test::Bw, Op::Send) => {
+            (Test::Pingpong | Test::Lat, Op::WriteImm) => {
+                let src = [local.slice(0..size).map_err(e("slice"))?];
+                for _ in 0..count {
+                    let c = r.next_recv(mode, STALL)?;
+                    post_slot(c.context)?;
+                    let wr = SendWr::write(ctx, &src, peer.at(0)).with_imm(ctx as u32);
+                    let wr = if signal(ctx) { wr } else { wr.unsignaled() };
+                    ctx += 1;
+                    r.post(|| ep.post_send(&wr))?;
+                }
+            }
+            (Test::Bw, Op::Send | Op::WriteImm) => {
                 for _ in 0..count {
                     let c = r.next_recv(mode, STALL)?;
                     post_slot(c.context)?;
@@ -523,7 +534,7 @@ pub(crate) fn client(
     let server_recvs = reply.a;
     let limits = domain.info().caps.limits;
     let window = match plan.op {
-        Op::Send => plan.window.min(server_recvs),
+        Op::Send | Op::WriteImm => plan.window.min(server_recvs),
         Op::Write => plan.window,
         _ => plan
             .window
@@ -565,6 +576,7 @@ pub(crate) fn client(
             let w = match plan.op {
                 Op::Send => SendWr::send(ctx, &src),
                 Op::Write => SendWr::write(ctx, &src, remote.at(0)),
+                Op::WriteImm => SendWr::write(ctx, &src, remote.at(0)).with_imm(ctx as u32),
                 Op::Read => SendWr::read(ctx, &sink, remote.at(0)),
                 Op::FetchAdd => SendWr::fetch_add(ctx, res, remote.at(0), 1),
                 Op::CompareSwap => {
@@ -608,7 +620,7 @@ pub(crate) fn client(
                     echo: &echo_sgl,
                     result: &result,
                 };
-                if plan.op == Op::Send {
+                if plan.op.consumes_recv() {
                     // The first echo's receive; each iteration posts the next one.
                     st.ep
                         .post_recv(&RecvWr::new(0, &echo_sgl))
@@ -736,7 +748,7 @@ impl State<'_> {
             self.ctx += 1;
             self.phase_left -= 1;
             match io.op {
-                Op::Send => {
+                Op::Send | Op::WriteImm => {
                     let w = wr(ctx, signal(ctx) || self.phase_left == 0, 0);
                     self.r.post(|| ep.post_send(&w))?;
                     self.r.next_recv(mode, STALL)?;
