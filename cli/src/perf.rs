@@ -191,9 +191,16 @@ impl Op {
         self as u8
     }
     fn from_code(c: u8) -> Option<Op> {
-        [Op::Send, Op::Write, Op::WriteImm, Op::Read, Op::FetchAdd, Op::CompareSwap]
-            .into_iter()
-            .find(|o| o.code() == c)
+        [
+            Op::Send,
+            Op::Write,
+            Op::WriteImm,
+            Op::Read,
+            Op::FetchAdd,
+            Op::CompareSwap,
+        ]
+        .into_iter()
+        .find(|o| o.code() == c)
     }
     fn needs(self) -> OpSet {
         match self {
