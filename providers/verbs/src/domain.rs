@@ -1070,6 +1070,7 @@ impl<F: Flavor> VerbsDomain<F> {
             hw_sq_cap,
         );
         self.go_live(&ep, &mb);
+        ep.core.speak_first();
         Ok(ep)
     }
 }
@@ -1174,8 +1175,15 @@ impl<F: Flavor> VerbsListener<F> {
                 Ok((mb, (credit, sink), (emu, mut early), hw_sq_cap)) => {
                     // A peer without our frame that wrote its hello mark is this
                     // framework's tcp provider, not a foreign stack.
-                    let foreign = foreign
-                        && !CreditArea::hello(sink.as_ref(), &cfg.recv_cq.inner, id.qp_num());
+                    let hello = foreign
+                        && CreditArea::hello(sink.as_ref(), &cfg.recv_cq.inner, id.qp_num());
+                    let foreign = foreign && !hello;
+                    // It runs credits when it named its own area before the mark.
+                    let (credit, sink) = if hello {
+                        CreditArea::announced(sink)
+                    } else {
+                        (credit, sink)
+                    };
                     if let Some(e) = early.as_mut() {
                         e.fillers = !foreign;
                     }
