@@ -11,7 +11,9 @@
 //! mark set when the peer closes gracefully. iWARP gives a close and a failure the same
 //! signal (the LLP stream ends and the queue pair enters ERROR), so the mark is how an
 //! endpoint tells them apart. The tcp provider reads the frame too: against an iwarp
-//! provider it writes the close mark before it closes, and takes no credits.
+//! provider it writes the close mark before it closes, and runs the same credit protocol
+//! with an area of its own (named in its reply's frame as the responder, and at
+//! [`area::AREA_OF_PEER`] as the initiator, whose request carries no frame).
 
 use crate::{Error, ErrorKind, Result};
 
@@ -36,6 +38,11 @@ pub mod area {
     /// first thing when the reply's frame names the iwarp provider's area): it answers
     /// zero-length RDMA Reads correctly, which a foreign iWARP stack may not.
     pub const HELLO: usize = 24;
+    /// Where a peer that announced itself with [`HELLO`] (the tcp provider as the
+    /// initiator) names its own credit area, written before the hello mark: the area's
+    /// address in the word at this offset, its steering tag in the low 32 bits of the
+    /// word after it. Both zero: the peer takes no credits.
+    pub const AREA_OF_PEER: usize = 32;
     /// Size of the area.
     pub const LEN: usize = 64;
 }

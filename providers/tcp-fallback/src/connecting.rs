@@ -195,7 +195,7 @@ impl TcpConnecting {
         let header: [u8; mpa::HEADER_LEN] = got[..mpa::HEADER_LEN].try_into().expect("header");
         let (mut reply, _) = MpaFrame::decode_header(&header, true)?;
         reply.private_data = got[mpa::HEADER_LEN..].to_vec();
-        let neg = setup::accept_reply(&reply, &self.domain.shared.opts)?;
+        let neg = setup::accept_reply(&reply, &self.domain.shared.opts, &self.domain.shared.keys)?;
         let _ = self
             .poll
             .registry()

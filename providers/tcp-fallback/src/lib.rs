@@ -25,6 +25,7 @@
 mod conn;
 mod connecting;
 mod cq;
+mod credit;
 pub mod engine;
 mod keys;
 pub mod listen;
@@ -204,7 +205,13 @@ impl TcpDomain {
         request: wire::mpa::MpaFrame,
     ) -> Result<TcpEndpoint> {
         check_depths(cfg)?;
-        let neg = setup::respond(&mut sock, request, &self.shared.opts, cfg.private_data)?;
+        let neg = setup::respond(
+            &mut sock,
+            request,
+            &self.shared.opts,
+            cfg.private_data,
+            &self.shared.keys,
+        )?;
         self.finish_endpoint(sock, cfg, neg)
     }
 
@@ -425,6 +432,9 @@ impl spi::Endpoint for TcpEndpoint {
         if n.features & f::IMMEDIATE != 0 {
             v.push("immediate data (extension)".into());
         }
+        if n.area.is_some() && n.peer_area.is_some() {
+            v.push("receiver-not-ready by credits (the iwarp provider's credit protocol: sends wait for the peer's posted receives)".into());
+        }
         if n.features & f::ACKS != 0 {
             v.push("delivery acks (extension)".into());
         } else {
@@ -447,8 +457,9 @@ impl spi::Endpoint for TcpEndpoint {
             ops |= OpSet::SEND_IMM | OpSet::WRITE_IMM;
         }
         // Sends wait for a receive only when the target buffers them and says when they
-        // landed; a foreign iWARP target refuses a send it has no receive for (Terminate).
-        if n & f::ACKS != 0 {
+        // landed, or when the connection runs the iwarp provider's credit protocol; a
+        // foreign iWARP target refuses a send it has no receive for (Terminate).
+        if self.conn.neg.rnr_wait() {
             ops |= OpSet::RNR_WAIT;
         }
         ops

@@ -2,10 +2,13 @@
 
 use std::io::Write;
 use std::net::TcpStream;
+use std::sync::Arc;
 
 use fabric_api::{pdata, Error, ErrorKind, Result};
 
 use crate::conn::Negotiated;
+use crate::credit::LocalArea;
+use crate::keys::KeyTable;
 use crate::wire::mpa::{self, Enhanced, ExtBlock, MpaFrame, RtrKinds, Setup};
 use crate::TcpOptions;
 
@@ -67,8 +70,14 @@ pub(crate) fn request(opts: &TcpOptions, private_data: &[u8]) -> Result<Vec<u8>>
 }
 
 /// Initiator side, second half: checks the peer's MPA Reply to [`request`] and says what
-/// was agreed.
-pub(crate) fn accept_reply(rep: &MpaFrame, opts: &TcpOptions) -> Result<Negotiated> {
+/// was agreed. Against this framework's iwarp provider (its reply's frame names its credit
+/// area) our own credit area is registered in `keys`: the connection runs credits, and
+/// the endpoint names the area to the peer first thing ([`crate::conn::Conn::start`]).
+pub(crate) fn accept_reply(
+    rep: &MpaFrame,
+    opts: &TcpOptions,
+    keys: &Arc<KeyTable>,
+) -> Result<Negotiated> {
     if rep.revision > 2 {
         return Err(protocol(format!(
             "MPA reply revision {} is newer than the request's 2",
@@ -107,6 +116,7 @@ pub(crate) fn accept_reply(rep: &MpaFrame, opts: &TcpOptions) -> Result<Negotiat
         revision: rep.revision,
         peer_private,
         expect_send_rtr: false,
+        area: peer_area.map(|_| Arc::new(LocalArea::new(keys))),
         peer_area,
         initiator: true,
     })
@@ -135,12 +145,14 @@ fn features_of(opts: &TcpOptions) -> u8 {
 }
 
 /// Responder side: answers the MPA Request `req`, which the listener has already read
-/// (without blocking anyone: see [`crate::listen`]).
+/// (without blocking anyone: see [`crate::listen`]). A request from this framework's
+/// iwarp provider gets a framed reply naming our credit area, registered in `keys`.
 pub(crate) fn respond(
     sock: &mut TcpStream,
     req: MpaFrame,
     opts: &TcpOptions,
     private_data: &[u8],
+    keys: &Arc<KeyTable>,
 ) -> Result<Negotiated> {
     user_pd_check(private_data)?;
     let revision = req.revision.min(2);
@@ -192,14 +204,15 @@ pub(crate) fn respond(
         None
     };
     // A request from this framework's iwarp provider (its frame names its credit area):
-    // answer with a frame too, naming no credit area (we take no credits), so that it
-    // knows we answer zero-length RDMA Reads (delivery reads, liveness probes), which it
-    // sends no foreign iWARP stack.
-    let user = match peer_area {
+    // answer with a frame too, naming our credit area (the connection runs credits both
+    // ways, see [`crate::credit`]); the frame also tells it that we answer zero-length
+    // RDMA Reads (delivery reads, liveness probes), which it sends no foreign iWARP stack.
+    let (user, area) = match peer_area {
         Some(_) if private_data.len() <= FRAMED_MAX => {
-            pdata::frame(private_data, Some(pdata::AreaDesc { addr: 0, stag: 0 }))
+            let area = Arc::new(LocalArea::new(keys));
+            (pdata::frame(private_data, Some(area.desc())), Some(area))
         }
-        _ => private_data.to_vec(),
+        _ => (private_data.to_vec(), None),
     };
     // Answer in kind: the IRD/ORD block (and the E bit) only when the request had them.
     let rep = MpaFrame {
@@ -227,6 +240,7 @@ pub(crate) fn respond(
         peer_private,
         expect_send_rtr,
         peer_area,
+        area,
         initiator: false,
     })
 }

@@ -644,3 +644,412 @@ fn graceful_close_to_a_foreign_peer_just_ends_the_stream() {
     raw.read_to_end(&mut rest).unwrap();
     assert!(rest.is_empty(), "bytes on close: {rest:?}");
 }
+
+/// An RDMA Write FPDU of `payload` at (`stag`, `to`), in one segment.
+fn tagged_write(stag: u32, to: u64, payload: &[u8]) -> Vec<u8> {
+    fpdu(
+        Header::Tagged {
+            last: true,
+            opcode: opcode::WRITE,
+            stag,
+            to,
+        },
+        payload,
+        false,
+    )
+}
+
+/// Reads one FPDU and checks that it is an RDMA Write of 8 bytes at `to` of `stag`;
+/// returns the word.
+fn expect_word_write(raw: &mut TcpStream, stag: u32, to: u64) -> u64 {
+    let (h, payload) = read_fpdu(raw);
+    match h {
+        Header::Tagged {
+            opcode: opcode::WRITE,
+            stag: s,
+            to: t,
+            last: true,
+        } if s == stag && t == to => {}
+        other => panic!("expected an RDMA Write to {stag:#x} at {to:#x}, got {other:?}"),
+    }
+    u64::from_ne_bytes(payload.try_into().expect("an 8-byte word"))
+}
+
+/// Nothing arrives on `raw` for a while (a send held back for credits).
+fn expect_silence(raw: &mut TcpStream) {
+    raw.set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let mut b = [0u8; 1];
+    match raw.read(&mut b) {
+        Err(e)
+            if e.kind() == std::io::ErrorKind::WouldBlock
+                || e.kind() == std::io::ErrorKind::TimedOut => {}
+        other => panic!("expected nothing while the send waits for credits, got {other:?}"),
+    }
+    raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+}
+
+/// Against a peer that runs the iwarp provider's credit protocol (its area `peer`, ours
+/// `ours`): sends wait for the peer's posted receives, in order with what follows them,
+/// and our receives are counted into the peer's area.
+fn credits_flow_both_ways(
+    domain: &TcpDomain,
+    ep: &TcpEndpoint,
+    raw: &mut TcpStream,
+    peer: fabric_api::pdata::AreaDesc,
+    ours: fabric_api::pdata::AreaDesc,
+    first_msn: u32,
+    recvs_before: u64,
+) {
+    use fabric_api::pdata::area;
+    assert!(ep.ops().contains(fabric_api::OpSet::RNR_WAIT));
+    let mr = domain
+        .register(
+            Arc::new(Buffer::from_slice(b"credit!!")),
+            Access::LOCAL_WRITE | Access::REMOTE_READ,
+        )
+        .unwrap();
+    // No credit: the send and the write posted behind it wait.
+    ep.post_send(&SendWr::send(1, &[mr.all()])).unwrap();
+    ep.post_send(&SendWr::write(
+        2,
+        &[mr.all()],
+        fabric_api::RemoteAddr {
+            addr: 0x1000,
+            key: 0x99,
+        },
+    ))
+    .unwrap();
+    expect_silence(raw);
+    // One credit: the send leaves (with its delivery read: a foreign-style peer without
+    // delivery acks), then the write behind it.
+    raw.write_all(&tagged_write(
+        ours.stag,
+        ours.addr + area::POSTED as u64,
+        &1u64.to_ne_bytes(),
+    ))
+    .unwrap();
+    let (h, payload) = read_fpdu(raw);
+    assert!(
+        matches!(h, Header::Untagged { opcode: opcode::SEND, msn, .. } if msn == first_msn),
+        "{h:?}"
+    );
+    assert_eq!(payload, b"credit!!");
+    // The delivery read is not empty: 8 bytes of the peer's area (siw fails empty reads it
+    // serves while transmitting).
+    let (h, payload) = read_fpdu(raw);
+    assert!(
+        matches!(
+            h,
+            Header::Untagged {
+                opcode: opcode::READ_REQUEST,
+                ..
+            }
+        ),
+        "{h:?}"
+    );
+    let rr = ReadRequest::decode(&payload).unwrap();
+    assert_eq!(
+        (rr.size, rr.src_stag, rr.src_to),
+        (8, peer.stag, peer.addr + area::POSTED as u64)
+    );
+    let (h, _) = read_fpdu(raw);
+    assert!(
+        matches!(
+            h,
+            Header::Tagged {
+                opcode: opcode::WRITE,
+                stag: 0x99,
+                ..
+            }
+        ),
+        "{h:?}"
+    );
+    let (h, _) = read_fpdu(raw);
+    assert!(
+        matches!(
+            h,
+            Header::Untagged {
+                opcode: opcode::READ_REQUEST,
+                msn: 2,
+                ..
+            }
+        ),
+        "the write's delivery read: {h:?}"
+    );
+    // The credit is used up: the next send waits again.
+    ep.post_send(&SendWr::send(3, &[mr.all()])).unwrap();
+    expect_silence(raw);
+    // Our receives are counted into the peer's area, one update each here (nothing is
+    // queued for the socket).
+    let rmr = domain
+        .register(Arc::new(Buffer::new(64)), Access::LOCAL_WRITE)
+        .unwrap();
+    ep.post_recv(&RecvWr::new(10, &[rmr.all()])).unwrap();
+    assert_eq!(
+        expect_word_write(raw, peer.stag, peer.addr + area::POSTED as u64),
+        recvs_before + 1
+    );
+    ep.post_recv(&RecvWr::new(11, &[rmr.all()])).unwrap();
+    assert_eq!(
+        expect_word_write(raw, peer.stag, peer.addr + area::POSTED as u64),
+        recvs_before + 2
+    );
+    // The peer's delivery read of our count is served (our area is remotely readable).
+    let rr = ReadRequest {
+        sink_stag: 0x55,
+        sink_to: 0,
+        size: 8,
+        src_stag: ours.stag,
+        src_to: ours.addr + area::POSTED as u64,
+    };
+    raw.write_all(&fpdu(
+        Header::Untagged {
+            last: true,
+            opcode: opcode::READ_REQUEST,
+            ulp: 0,
+            qn: qn::READ,
+            msn: 1,
+            mo: 0,
+        },
+        &rr.encode(),
+        false,
+    ))
+    .unwrap();
+    let (h, payload) = read_fpdu(raw);
+    assert!(
+        matches!(h, Header::Tagged { stag: 0x55, .. }),
+        "expected the read response, got {h:?}"
+    );
+    assert_eq!(u64::from_ne_bytes(payload.try_into().unwrap()), 1);
+}
+
+#[test]
+fn responder_runs_credits_with_an_iwarp_provider_peer() {
+    use fabric_api::pdata;
+    let peer = pdata::AreaDesc {
+        addr: 0x7000_0000,
+        stag: 0x4242,
+    };
+    let srv = server(TcpOptions::default());
+    let addr = srv.listener.local_addr();
+    let user = pdata::frame(b"app", Some(peer));
+    let t = std::thread::spawn(move || raw_connect_with(addr, 2, false, false, &user));
+    let ep = accept(&srv, Duration::from_secs(10)).unwrap();
+    let (mut raw, _rep, setup) = t.join().unwrap();
+    assert_eq!(ep.peer_private_data(), b"app");
+    // Our reply's frame names a real credit area.
+    let (app, ours) = pdata::unframe(&setup.user, true).unwrap();
+    assert_eq!(app, Vec::<u8>::new());
+    let ours = ours.expect("a credit area in the reply's frame");
+    assert!(ours.addr != 0 && ours.stag != 0, "{ours:?}");
+    // As the responder nothing leaves before the initiator's first FPDU (siw's initiator
+    // fails the connection on bytes right behind the MPA Reply): not even credit updates.
+    let rmr = srv
+        .domain
+        .register(Arc::new(Buffer::new(64)), Access::LOCAL_WRITE)
+        .unwrap();
+    ep.post_recv(&RecvWr::new(9, &[rmr.all()])).unwrap();
+    expect_silence(&mut raw);
+    // The iwarp provider as the initiator speaks first: its credit update (zero).
+    raw.write_all(&tagged_write(
+        ours.stag,
+        ours.addr + pdata::area::POSTED as u64,
+        &0u64.to_ne_bytes(),
+    ))
+    .unwrap();
+    assert_eq!(
+        expect_word_write(&mut raw, peer.stag, peer.addr + pdata::area::POSTED as u64),
+        1
+    );
+    credits_flow_both_ways(&srv.domain, &ep, &mut raw, peer, ours, 1, 1);
+}
+
+#[test]
+fn initiator_names_its_credit_area_before_the_hello_mark() {
+    use fabric_api::pdata::{self, area};
+    let peer = pdata::AreaDesc {
+        addr: 0x6000_0000,
+        stag: 0x1717,
+    };
+    let domain = TcpDomain::open(TcpOptions::default()).unwrap();
+    let cq = domain.create_cq(64).unwrap();
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut h = [0u8; mpa::HEADER_LEN];
+        s.read_exact(&mut h).unwrap();
+        let (mut req, pd_len) = MpaFrame::decode_header(&h, false).unwrap();
+        req.private_data = vec![0; pd_len];
+        s.read_exact(&mut req.private_data).unwrap();
+        // Our request carries no frame: the listener may be any iWARP stack.
+        assert_eq!(Setup::of(&req).unwrap().user, b"cli");
+        let rep = MpaFrame {
+            reply: true,
+            markers: false,
+            crc: false,
+            reject: false,
+            enhanced: true,
+            ext_offer: false,
+            revision: 2,
+            private_data: Setup {
+                enhanced: Some(Enhanced {
+                    ird: 8,
+                    ord: 8,
+                    peer_to_peer: false,
+                    rtr: RtrKinds::default(),
+                }),
+                ext: None,
+                user: pdata::frame(b"srv", Some(peer)),
+            }
+            .encode(),
+        };
+        s.write_all(&rep.encode()).unwrap();
+        s
+    });
+    let mut cfg = EndpointConfig::new(&cq);
+    cfg.private_data = b"cli";
+    let ep = domain.connect(addr, &cfg).unwrap();
+    let mut raw = t.join().unwrap();
+    assert_eq!(ep.peer_private_data(), b"srv");
+    // First our area's descriptor, then the hello mark, then the filler sends.
+    let (h, payload) = read_fpdu(&mut raw);
+    match h {
+        Header::Tagged {
+            opcode: opcode::WRITE,
+            stag,
+            to,
+            last: true,
+        } => {
+            assert_eq!(stag, peer.stag);
+            assert_eq!(to, peer.addr + area::AREA_OF_PEER as u64);
+        }
+        other => panic!("expected our area's descriptor, got {other:?}"),
+    }
+    assert_eq!(payload.len(), 16);
+    let ours = pdata::AreaDesc {
+        addr: u64::from_ne_bytes(payload[..8].try_into().unwrap()),
+        stag: u64::from_ne_bytes(payload[8..].try_into().unwrap()) as u32,
+    };
+    assert!(ours.addr != 0 && ours.stag != 0, "{ours:?}");
+    assert_ne!(
+        expect_word_write(&mut raw, peer.stag, peer.addr + area::HELLO as u64),
+        0
+    );
+    for msn in 1..=4 {
+        let (h, payload) = read_fpdu(&mut raw);
+        assert!(
+            matches!(h, Header::Untagged { opcode: opcode::SEND, msn: m, .. } if m == msn),
+            "{h:?}"
+        );
+        assert!(payload.is_empty());
+    }
+    // The fillers took no credit: the application's first send needs the peer's first
+    // receive.
+    credits_flow_both_ways(&domain, &ep, &mut raw, peer, ours, 5, 0);
+}
+
+#[test]
+fn no_credits_against_a_foreign_peer_or_between_tcp_endpoints() {
+    // A foreign iWARP peer: no area in our reply, sends leave at once, no RNR_WAIT.
+    let (_srv, ep, mut raw) = connected_raw(false);
+    assert!(!ep.ops().contains(fabric_api::OpSet::RNR_WAIT));
+    let mr = _srv
+        .domain
+        .register(Arc::new(Buffer::from_slice(b"now")), Access::LOCAL_WRITE)
+        .unwrap();
+    ep.post_send(&SendWr::send(1, &[mr.all()])).unwrap();
+    let (h, payload) = read_fpdu(&mut raw);
+    assert!(
+        matches!(
+            h,
+            Header::Untagged {
+                opcode: opcode::SEND,
+                ..
+            }
+        ),
+        "{h:?}"
+    );
+    assert_eq!(payload, b"now");
+}
+
+#[test]
+fn credit_updates_coalesce_behind_a_full_socket() {
+    use fabric_api::pdata::{self, area};
+    let peer = pdata::AreaDesc {
+        addr: 0x7000_0000,
+        stag: 0x4242,
+    };
+    let srv = server(TcpOptions::default());
+    let addr = srv.listener.local_addr();
+    let user = pdata::frame(b"", Some(peer));
+    let t = std::thread::spawn(move || raw_connect_with(addr, 2, false, false, &user));
+    let ep = accept(&srv, Duration::from_secs(10)).unwrap();
+    let (mut raw, _rep, setup) = t.join().unwrap();
+    let ours = pdata::unframe(&setup.user, true).unwrap().1.unwrap();
+    // The initiator speaks first (else, as the responder, we would send nothing).
+    raw.write_all(&tagged_write(
+        ours.stag,
+        ours.addr + area::POSTED as u64,
+        &0u64.to_ne_bytes(),
+    ))
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    // A large write fills the socket while the peer does not read.
+    const BIG: usize = 32 << 20;
+    let src = srv
+        .domain
+        .register(Arc::new(Buffer::new(BIG)), Access::LOCAL_WRITE)
+        .unwrap();
+    ep.post_send(&SendWr::write(
+        1,
+        &[src.all()],
+        fabric_api::RemoteAddr { addr: 0, key: 0x99 },
+    ))
+    .unwrap();
+    let rmr = srv
+        .domain
+        .register(Arc::new(Buffer::new(64)), Access::LOCAL_WRITE)
+        .unwrap();
+    for i in 0..3 {
+        ep.post_recv(&RecvWr::new(10 + i, &[rmr.all()])).unwrap();
+    }
+    // The write, its delivery read, then the first update (queued behind the write) and
+    // one more carrying the newest count: the second receive's update was coalesced.
+    let mut got = 0;
+    loop {
+        let (h, payload) = read_fpdu(&mut raw);
+        match h {
+            Header::Tagged {
+                opcode: opcode::WRITE,
+                stag: 0x99,
+                last,
+                ..
+            } => {
+                got += payload.len();
+                if last {
+                    break;
+                }
+            }
+            other => panic!("expected the large write, got {other:?}"),
+        }
+    }
+    assert_eq!(got, BIG);
+    let (h, _) = read_fpdu(&mut raw);
+    assert!(
+        matches!(
+            h,
+            Header::Untagged {
+                opcode: opcode::READ_REQUEST,
+                ..
+            }
+        ),
+        "{h:?}"
+    );
+    let posted = peer.addr + area::POSTED as u64;
+    assert_eq!(expect_word_write(&mut raw, peer.stag, posted), 1);
+    assert_eq!(expect_word_write(&mut raw, peer.stag, posted), 3);
+    expect_silence(&mut raw);
+}

@@ -1071,6 +1071,7 @@ impl<F: Flavor> VerbsDomain<F> {
             hw_sq_cap,
         );
         self.go_live(&ep, &mb);
+        ep.core.speak_first();
         Ok(ep)
     }
 }
@@ -1102,6 +1103,8 @@ struct HelloWait<F: Flavor> {
     extras: AcceptExtras,
     hw_sq_cap: usize,
     since: Instant,
+    /// The request carried no frame of this framework.
+    frameless: bool,
 }
 
 impl<F: Flavor> HelloWait<F> {
@@ -1239,6 +1242,7 @@ impl<F: Flavor> VerbsListener<F> {
                         extras,
                         hw_sq_cap,
                         since: Instant::now(),
+                        frameless: foreign,
                     };
                     if !foreign {
                         return Ok(Some(self.go_live(w, false)));
@@ -1267,6 +1271,13 @@ impl<F: Flavor> VerbsListener<F> {
     /// Makes the endpoint of an accepted connection and brings it to life; `foreign`: the
     /// peer is not of this framework.
     fn go_live(&self, w: HelloWait<F>, foreign: bool) -> VerbsEndpoint<F> {
+        // A frame-less peer that wrote its hello mark is this framework's tcp provider: it
+        // runs credits when it named its own area before the mark.
+        let credit = if w.frameless && !foreign {
+            CreditArea::announced(w.credit.1)
+        } else {
+            w.credit
+        };
         let (emu, mut early) = w.extras;
         if let Some(e) = early.as_mut() {
             // This framework's tcp provider consumes the early receives with fillers.
@@ -1276,7 +1287,7 @@ impl<F: Flavor> VerbsListener<F> {
             w.id,
             &w.cfg.config(),
             w.peer_private,
-            w.credit,
+            credit,
             (emu, foreign, early),
             w.hw_sq_cap,
         );

@@ -201,6 +201,32 @@ impl CreditArea {
         sent.then(|| area_word(buf, credit::HELLO) != 0)
     }
 
+    /// After [`hello_seen`](Self::hello_seen) said yes: the credit area the peer named in our area
+    /// (the tcp provider as the initiator writes its descriptor at `AREA_OF_PEER` before
+    /// its hello mark): our area becomes the connection's credit area. A peer that named
+    /// none keeps the sink only, as before.
+    #[allow(clippy::type_complexity)]
+    pub fn announced(
+        sink: Option<(Arc<Buffer>, Mr)>,
+    ) -> (Option<CreditArea>, Option<(Arc<Buffer>, Mr)>) {
+        let Some((buf, mr)) = sink else {
+            return (None, None);
+        };
+        let addr = area_word(&buf, credit::AREA_OF_PEER);
+        let stag = area_word(&buf, credit::AREA_OF_PEER + 8) as u32;
+        if addr == 0 && stag == 0 {
+            return (None, Some((buf, mr)));
+        }
+        (
+            Some(CreditArea {
+                buf,
+                mr,
+                peer: (addr, stag),
+            }),
+            None,
+        )
+    }
+
     /// Our area's descriptor for the peer (private data).
     pub fn desc(buf: &Buffer, mr: &Mr) -> pdata::AreaDesc {
         pdata::AreaDesc {
@@ -1885,6 +1911,21 @@ impl EpCore {
             self.note_blocked(&mut l);
         }
         Ok(())
+    }
+
+    /// The initiator of a connection with credits speaks first: a credit update (its count
+    /// of posted receives, zero so far), so that a responder that must not send before the
+    /// initiator's first FPDU (MPA; the tcp provider waits for it: siw's initiator reads
+    /// its MPA Reply with a look-ahead and fails the connection on bytes behind it) hears
+    /// from us even when we have nothing else to send.
+    pub(crate) fn speak_first(self: &Arc<Self>) {
+        if self.credit.is_none() {
+            return;
+        }
+        let mut l = self.lock();
+        l.credit_dirty = true;
+        self.send_credit(&mut l);
+        self.note_blocked(&mut l);
     }
 
     /// Sends an owed credit update if an internal slot is free now (never reaps: the

@@ -29,6 +29,7 @@ use fabric_api::{
 };
 
 use crate::cq::TcpCq;
+use crate::credit::{credit_allows, LocalArea};
 use crate::engine::Engine;
 use crate::keys::{random_u32, KeyTable};
 use crate::tx::{Kind, OutMsg, Payload, Queued, TxQueue};
@@ -72,6 +73,10 @@ pub(crate) struct Negotiated {
     /// The credit area of a peer on this framework's iwarp provider (from its private-data
     /// frame): a graceful close writes the close mark there first ([`pdata`]).
     pub peer_area: Option<pdata::AreaDesc>,
+    /// Our credit area, with a peer on this framework's iwarp provider that knows of it
+    /// (our reply's frame named it, or, as the initiator, we name it first thing): then
+    /// the connection runs the iwarp provider's credit protocol ([`crate::credit`]).
+    pub area: Option<Arc<LocalArea>>,
     /// We initiated the connection (a peer on the iwarp provider then has early receives
     /// posted, which our filler sends consume: see [`EARLY_FILLERS`]).
     pub initiator: bool,
@@ -88,7 +93,22 @@ impl Negotiated {
     fn has(&self, f: u8) -> bool {
         self.features & f != 0
     }
+
+    /// Our credit area and the peer's, when the connection runs credits.
+    fn credits(&self) -> Option<(&LocalArea, pdata::AreaDesc)> {
+        Some((self.area.as_deref()?, self.peer_area?))
+    }
+
+    /// Sends wait for the peer's receives: by credits (the iwarp provider), or because
+    /// the peer buffers them and acknowledges their delivery (this provider).
+    pub fn rnr_wait(&self) -> bool {
+        self.has(features::ACKS) || self.credits().is_some()
+    }
 }
+
+/// The `sent_seq` of our credit updates (never a send-queue sequence number): when one
+/// has left, a newer count follows if receives were posted meanwhile.
+const CREDIT_UPDATE: u64 = u64::MAX;
 
 /// What a send-queue request still waits for.
 #[derive(Debug)]
@@ -164,12 +184,15 @@ impl Arrived {
     }
 }
 
-/// A request held back by a fence or the ORD limit, with the messages that carry it.
+/// A request held back by a fence, the ORD limit or the peer's credits, with the
+/// messages that carry it.
 #[derive(Debug)]
 struct Gated {
     msgs: Vec<OutMsg>,
     read_like: bool,
     fence: bool,
+    /// Messages that consume a receive at the peer (credits).
+    sends: u64,
 }
 
 #[derive(Debug)]
@@ -196,6 +219,14 @@ struct State {
     acks_owed: [u32; 2],
     /// Receive completions of the batch, delivered after its acks are sent.
     received: Vec<Completion>,
+    /// Credits ([`crate::credit`]): messages that consume a receive at the peer sent so
+    /// far (our filler sends not counted: they meet the peer's early receives), receives
+    /// ever posted, the count last handed to the transmit queue, and whether that update
+    /// is still queued.
+    sends_out: u64,
+    recvs_posted: u64,
+    posted_told: u64,
+    update_queued: bool,
 }
 
 /// The shared state of one connection.
@@ -222,6 +253,13 @@ pub(crate) struct Conn {
     rx_blocked: AtomicBool,
     /// The application closed the endpoint (not a failure): see [`Conn::shutdown`].
     graceful: AtomicBool,
+    /// We may send: false only while we are the responder of a connection with credits
+    /// and the initiator's first FPDU has not arrived. An MPA responder must not send
+    /// before that (siw's initiator reads the MPA Reply with a look-ahead and fails the
+    /// connection on bytes right behind it); until then everything posted is held back,
+    /// and credit updates wait. The iwarp provider as the initiator speaks first (a credit
+    /// update), so the wait is short and never a deadlock.
+    heard: AtomicBool,
     /// This connection's token in the poll sets.
     pub(crate) token: Token,
     /// The domain's engine (its poll set and progress thread).
@@ -251,6 +289,7 @@ impl Conn {
         let peer = sock.peer_addr()?;
         sock.set_nonblocking(true)?;
         let crc = neg.crc;
+        let heard = neg.initiator || neg.credits().is_none();
         Ok(Arc::new(Conn {
             domain_id,
             keys,
@@ -279,11 +318,16 @@ impl Conn {
                 batching: false,
                 acks_owed: [0; 2],
                 received: Vec::new(),
+                sends_out: 0,
+                recvs_posted: 0,
+                posted_told: 0,
+                update_queued: false,
             }),
             tx: Mutex::new(TxQueue::default()),
             rx: Mutex::new(Rx::new(crc)),
             rx_pending: AtomicBool::new(false),
             rx_blocked: AtomicBool::new(false),
+            heard: AtomicBool::new(heard),
             graceful: AtomicBool::new(false),
             token: crate::engine::next_token(),
             engine,
@@ -305,8 +349,22 @@ impl Conn {
             // (we could not know): tell it that we answer zero-length RDMA Reads (its
             // delivery reads and liveness probes), which it sends no foreign iWARP stack
             // (siw answers them with a stale length). As the initiator we may send first.
-            // (As the responder our reply's frame said so.)
+            // (As the responder our reply's frame said so.) Our credit area is named
+            // before the mark: the peer reads it once it sees the mark.
             let mut st = self.lock();
+            if let Some(ours) = &self.neg.area {
+                self.transmit(
+                    &mut st,
+                    OutMsg::control(
+                        Kind::Tagged {
+                            opcode: opcode::WRITE,
+                            stag: area.stag,
+                            to: area.addr + pdata::area::AREA_OF_PEER as u64,
+                        },
+                        ours.announcement(),
+                    ),
+                );
+            }
             self.mark_peer_area(&mut st, area, pdata::area::HELLO);
             for _ in 0..EARLY_FILLERS {
                 self.transmit(
@@ -612,11 +670,26 @@ impl Conn {
         // back only once they were placed (or after the Terminate that refused them): the
         // request completes with that response. siw answers zero-length Reads without
         // checking any STag (siw_qp_rx.c, siw_init_rresp: no SGE when the length is 0).
+        // With this framework's iwarp provider (credits) the Read is not empty: 8 bytes of
+        // the peer's credit area into our own, as that provider's delivery reads are. siw
+        // answers a zero-length Read it serves from its IRQ (while it is transmitting) with
+        // the previous WQE's stale SGE, and when that was an inline write (the peer's credit
+        // updates) its key is no key: siw then fails the connection (Terminate, invalid STag).
         let (resp_kind, read_like) = match resp_kind {
-            R::Acks if !acks => {
-                msgs.push(read_request(0, 0, 0));
-                (R::Read(Vec::new()), true)
-            }
+            R::Acks if !acks => match self.neg.credits() {
+                Some((ours, peer)) => {
+                    msgs.push(read_request(
+                        8,
+                        peer.stag,
+                        peer.addr + pdata::area::POSTED as u64,
+                    ));
+                    (R::Read(vec![ours.scratch()]), true)
+                }
+                None => {
+                    msgs.push(read_request(0, 0, 0));
+                    (R::Read(Vec::new()), true)
+                }
+            },
             other => (other, read_like),
         };
 
@@ -690,10 +763,16 @@ impl Conn {
             error: None,
             write_target,
         });
+        // What consumes a receive at the peer: Sends and Immediate Data messages.
+        let sends = msgs
+            .iter()
+            .filter(|m| matches!(m.kind, Kind::Untagged { qn: qn::SEND, .. }))
+            .count() as u64;
         let gated = Gated {
             msgs,
             read_like,
             fence: wr.flags.contains(SendFlags::FENCE),
+            sends,
         };
         if st.backlog.is_empty() && self.may_start(&st, &gated) {
             self.start_gated(&mut st, gated);
@@ -704,13 +783,19 @@ impl Conn {
     }
 
     fn may_start(&self, st: &State, g: &Gated) -> bool {
-        !(g.fence && st.reads_out > 0 || g.read_like && st.reads_out >= self.neg.ord)
+        self.heard.load(AtomicOrdering::SeqCst)
+            && !(g.fence && st.reads_out > 0 || g.read_like && st.reads_out >= self.neg.ord)
+            && self
+                .neg
+                .credits()
+                .is_none_or(|(ours, _)| credit_allows(st.sends_out, g.sends, ours.peer_posted()))
     }
 
     fn start_gated(&self, st: &mut State, g: Gated) {
         if g.read_like {
             st.reads_out += 1;
         }
+        st.sends_out += g.sends;
         for m in g.msgs {
             self.transmit(st, m);
         }
@@ -747,6 +832,10 @@ impl Conn {
             self.deliver_buffered(&mut st, recv, arrived);
         } else {
             st.rq.push_back(recv);
+        }
+        if self.neg.credits().is_some() {
+            st.recvs_posted += 1;
+            self.update_posted(&mut st);
         }
         drop(st);
         // The receive machine may be waiting for a receive or for room (back-pressure).
@@ -982,7 +1071,62 @@ impl Conn {
         );
     }
 
+    /// Tells the peer our count of receives ever posted (an RDMA Write into its area's
+    /// POSTED word), unless it knows it or an update is still queued (then the newest
+    /// count follows when that one has left: see [`CREDIT_UPDATE`]).
+    fn update_posted(&self, st: &mut State) {
+        let Some((_, peer)) = self.neg.credits() else {
+            return;
+        };
+        if st.update_queued
+            || st.posted_told == st.recvs_posted
+            || st.status != EndpointState::Connected
+            || !self.heard.load(AtomicOrdering::SeqCst)
+        {
+            return;
+        }
+        st.update_queued = true;
+        st.posted_told = st.recvs_posted;
+        let mut m = OutMsg::control(
+            Kind::Tagged {
+                opcode: opcode::WRITE,
+                stag: peer.stag,
+                to: peer.addr + pdata::area::POSTED as u64,
+            },
+            st.recvs_posted.to_ne_bytes().to_vec(),
+        );
+        m.sent_seq = Some(CREDIT_UPDATE);
+        self.transmit(st, m);
+    }
+
+    /// The receive machine is about to handle the peer's first FPDU: as the responder of a
+    /// connection with credits we may send from now on (see `heard`).
+    fn peer_spoke(&self) {
+        self.heard.store(true, AtomicOrdering::SeqCst);
+        let mut st = self.lock();
+        if st.status == EndpointState::Connected {
+            self.release_backlog(&mut st);
+            self.update_posted(&mut st);
+        }
+    }
+
+    /// After an RDMA Write was placed: the peer may have written its posted-receive count
+    /// into our area, so sends held back for credits may go.
+    fn credits_may_have_grown(&self) {
+        if self.neg.credits().is_none() {
+            return;
+        }
+        let mut st = self.lock();
+        if st.status == EndpointState::Connected && !st.backlog.is_empty() {
+            self.release_backlog(&mut st);
+        }
+    }
+
     fn mark_sent(&self, st: &mut State, seq: u64) {
+        if seq == CREDIT_UPDATE {
+            st.update_queued = false;
+            return self.update_posted(st);
+        }
         if let Some(p) = st.sq.iter_mut().find(|p| p.seq == seq) {
             p.sent = true;
         }

@@ -265,6 +265,9 @@ impl Conn {
                         ..
                     }
                 );
+                if !self.heard.load(AtomicOrdering::Relaxed) {
+                    self.peer_spoke();
+                }
                 match self.handle(&mut rx.p, hdr, &f[2 + hdr_len..2 + ulpdu])? {
                     Flow::Done => rx.start += total,
                     Flow::Blocked => {
@@ -363,6 +366,9 @@ impl Conn {
                     format!("RDMA Write of {payload} bytes to STag {stag:#x} at {to:#x} refused"),
                 )
             })?;
+        if !self.heard.load(AtomicOrdering::Relaxed) {
+            self.peer_spoke();
+        }
         t.buffer.write(t.offset, &b[2 + hdr_len..]);
         rx.direct = Some(Direct {
             stag,
@@ -434,6 +440,7 @@ impl Conn {
                 let mut st = self.lock();
                 self.send_ack(&mut st, 1);
             }
+            self.credits_may_have_grown();
         }
     }
 
