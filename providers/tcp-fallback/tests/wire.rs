@@ -118,6 +118,18 @@ fn send(msn: u32, last: bool, mo: u32) -> Header {
     }
 }
 
+/// The header of an RDMA Read Request with `msn`.
+fn read_request(msn: u32) -> Header {
+    Header::Untagged {
+        last: true,
+        opcode: opcode::READ_REQUEST,
+        ulp: 0,
+        qn: qn::READ,
+        msn,
+        mo: 0,
+    }
+}
+
 fn wait_state(ep: &TcpEndpoint, want: EndpointState) {
     let deadline = Instant::now() + Duration::from_secs(5);
     while ep.state() != want {
@@ -203,19 +215,8 @@ fn foreign_peer_gets_base_rdmap_and_no_extensions() {
         src_stag: d.key,
         src_to: d.addr + 3,
     };
-    raw.write_all(&fpdu(
-        Header::Untagged {
-            last: true,
-            opcode: opcode::READ_REQUEST,
-            ulp: 0,
-            qn: qn::READ,
-            msn: 1,
-            mo: 0,
-        },
-        &rr.encode(),
-        false,
-    ))
-    .unwrap();
+    raw.write_all(&fpdu(read_request(1), &rr.encode(), false))
+        .unwrap();
     let (h, payload) = read_fpdu(&mut raw);
     assert_eq!(
         h,
@@ -240,17 +241,7 @@ fn foreign_peer_gets_base_rdmap_and_no_extensions() {
     assert_eq!(h, send(1, true, 0));
     assert_eq!(payload, b"bye");
     let (h, payload) = read_fpdu(&mut raw);
-    assert_eq!(
-        h,
-        Header::Untagged {
-            last: true,
-            opcode: opcode::READ_REQUEST,
-            ulp: 0,
-            qn: qn::READ,
-            msn: 1,
-            mo: 0
-        }
-    );
+    assert_eq!(h, read_request(1));
     let flush = ReadRequest::decode(&payload).unwrap();
     assert_eq!((flush.size, flush.src_stag, flush.src_to), (0, 0, 0));
     assert!(
@@ -803,19 +794,8 @@ fn credits_flow_both_ways(
         src_stag: ours.stag,
         src_to: ours.addr + area::POSTED as u64,
     };
-    raw.write_all(&fpdu(
-        Header::Untagged {
-            last: true,
-            opcode: opcode::READ_REQUEST,
-            ulp: 0,
-            qn: qn::READ,
-            msn: 1,
-            mo: 0,
-        },
-        &rr.encode(),
-        false,
-    ))
-    .unwrap();
+    raw.write_all(&fpdu(read_request(1), &rr.encode(), false))
+        .unwrap();
     let (h, payload) = read_fpdu(raw);
     assert!(
         matches!(h, Header::Tagged { stag: 0x55, .. }),
