@@ -1060,6 +1060,7 @@ impl<F: Flavor> VerbsDomain<F> {
         let (credit, sink) = CreditArea::pair(credit, peer_credit);
         // The tcp provider answers our frame with one: a reply without is a foreign stack.
         let foreign = unframed;
+        warn_no_credits(credit.is_some(), sink.is_some());
         let emu = EmuLink::pair(emu_local, peer_ext, credit.is_some());
         let id = guard.id.take().expect("still held");
         let ep = self.endpoint(
@@ -1160,6 +1161,14 @@ impl<F: Flavor> spi::Listener for VerbsListener<F> {
 
 /// The endpoint's credit area, or (a foreign peer) our own area as a read sink.
 type CreditPair = (Option<CreditArea>, Option<(Arc<Buffer>, Mr)>);
+
+/// Says so when a connection on an iWARP domain (where our credit area exists) runs
+/// without credits: its peer named no area (a foreign stack).
+fn warn_no_credits(credits: bool, own_area: bool) {
+    if !credits && own_area {
+        tracing::warn!("peer has no credit area (not this framework's iwarp or tcp provider): no credit flow control on this connection");
+    }
+}
 /// The emulation link and the early receives of an accepted endpoint.
 type AcceptExtras = (Option<EmuLink>, Option<EarlyRing>);
 
@@ -1278,6 +1287,7 @@ impl<F: Flavor> VerbsListener<F> {
         } else {
             w.credit
         };
+        warn_no_credits(credit.0.is_some(), credit.1.is_some());
         let (emu, mut early) = w.extras;
         if let Some(e) = early.as_mut() {
             // This framework's tcp provider consumes the early receives with fillers.

@@ -166,10 +166,9 @@ impl CreditArea {
         match (local, peer) {
             (Some((buf, mr)), Some(peer)) => (Some(CreditArea { buf, mr, peer }), None),
             (None, _) => (None, None),
-            (Some(local), None) => {
-                tracing::warn!("peer has no credit area (not this framework's iwarp provider): no credit flow control on this connection");
-                (None, Some(local))
-            }
+            // Said by the caller once the peer's kind is known: a frame-less initiator may
+            // still be this framework's tcp provider, which announces its area later.
+            (Some(local), None) => (None, Some(local)),
         }
     }
 
