@@ -804,19 +804,34 @@ fn credits_flow_both_ways(
     assert_eq!(u64::from_ne_bytes(payload.try_into().unwrap()), 1);
 }
 
-#[test]
-fn responder_runs_credits_with_an_iwarp_provider_peer() {
-    use fabric_api::pdata;
-    let peer = pdata::AreaDesc {
+/// A raw peer playing this framework's iwarp provider as the initiator (its request's
+/// frame names its credit area, returned last), accepted by a tcp listener.
+fn accepted_from_an_iwarp_provider_peer(
+    app: &[u8],
+) -> (
+    Server,
+    TcpEndpoint,
+    TcpStream,
+    Setup,
+    fabric_api::pdata::AreaDesc,
+) {
+    let peer = fabric_api::pdata::AreaDesc {
         addr: 0x7000_0000,
         stag: 0x4242,
     };
     let srv = server(TcpOptions::default());
     let addr = srv.listener.local_addr();
-    let user = pdata::frame(b"app", Some(peer));
+    let user = fabric_api::pdata::frame(app, Some(peer));
     let t = std::thread::spawn(move || raw_connect_with(addr, 2, false, false, &user));
     let ep = accept(&srv, Duration::from_secs(10)).unwrap();
-    let (mut raw, _rep, setup) = t.join().unwrap();
+    let (raw, _rep, setup) = t.join().unwrap();
+    (srv, ep, raw, setup, peer)
+}
+
+#[test]
+fn responder_runs_credits_with_an_iwarp_provider_peer() {
+    use fabric_api::pdata;
+    let (srv, ep, mut raw, setup, peer) = accepted_from_an_iwarp_provider_peer(b"app");
     assert_eq!(ep.peer_private_data(), b"app");
     // Our reply's frame names a real credit area.
     let (app, ours) = pdata::unframe(&setup.user, true).unwrap();
@@ -958,16 +973,7 @@ fn no_credits_against_a_foreign_peer_or_between_tcp_endpoints() {
 #[test]
 fn credit_updates_coalesce_behind_a_full_socket() {
     use fabric_api::pdata::{self, area};
-    let peer = pdata::AreaDesc {
-        addr: 0x7000_0000,
-        stag: 0x4242,
-    };
-    let srv = server(TcpOptions::default());
-    let addr = srv.listener.local_addr();
-    let user = pdata::frame(b"", Some(peer));
-    let t = std::thread::spawn(move || raw_connect_with(addr, 2, false, false, &user));
-    let ep = accept(&srv, Duration::from_secs(10)).unwrap();
-    let (mut raw, _rep, setup) = t.join().unwrap();
+    let (srv, ep, mut raw, setup, peer) = accepted_from_an_iwarp_provider_peer(b"");
     let ours = pdata::unframe(&setup.user, true).unwrap().1.unwrap();
     // The initiator speaks first (else, as the responder, we would send nothing).
     raw.write_all(&tagged_write(
