@@ -1,0 +1,55 @@
+//! `fabric perf` end to end on tcp: every test with every operation, both sides as two
+//! processes on loopback, a few iterations each; the JSON rows must say what ran.
+
+use std::process::Command;
+
+fn perf(test: &str, op: &str) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_fabric"))
+        .args(["perf", test, "--op", op, "--size", "8", "--iters", "20"])
+        .args(["--provider", "tcp", "--format", "json"])
+        .output()
+        .expect("run fabric perf");
+    assert!(
+        out.status.success(),
+        "fabric perf {test} --op {op} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "fabric perf {test} --op {op}: not JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+#[test]
+fn every_test_and_operation_runs_on_tcp() {
+    for op in [
+        "send",
+        "write",
+        "write_imm",
+        "read",
+        "fetch_add",
+        "compare_swap",
+    ] {
+        for test in ["pingpong", "lat", "bw"] {
+            let v = perf(test, op);
+            assert_eq!(v["provider"], "tcp", "{test} {op}: {v}");
+            let rows = v["rows"].as_array().expect("rows");
+            assert_eq!(rows.len(), 1, "{test} {op}: {v}");
+            let r = &rows[0];
+            assert_eq!(
+                (r["test"].as_str(), r["op"].as_str()),
+                (Some(test), Some(op))
+            );
+            assert_eq!(
+                (r["bytes"].as_u64(), r["iters"].as_u64()),
+                (Some(8), Some(20))
+            );
+            assert!(
+                r["usec_per_xfer"].as_f64().is_some_and(|u| u > 0.0),
+                "{test} {op}: {r}"
+            );
+        }
+    }
+}
