@@ -29,6 +29,18 @@
 //! only inside the application's `poll` and `wait` (and posts), as with libfabric's
 //! `FI_PROGRESS_MANUAL`.
 //!
+//! **Deferred acks.** A receive that the application's own pass placed (its poll, wait or
+//! arm) does not send its delivery ack ahead of the completion: the ack waits for the
+//! application's next message on that connection and leaves in the same `send` (a
+//! ping-pong then costs one system call and one segment per message instead of two). The
+//! connection is noted in the poll sets of both its completion queues and of the domain
+//! ([`PollSet::defer_acks`]), so the ack leaves at the latest at the application's next
+//! poll, wait or arm on either queue, or, once it stops polling, from the progress thread
+//! within `HANDOFF` (which never sleeps without a limit while a note is pending). Passes of
+//! the progress thread, a close or a drain send acks before the completions, as before.
+//! Reads stop at a short `recv` (the socket was empty; a later arrival raises a new edge)
+//! instead of asking once more to see `EAGAIN`.
+//!
 //! What a poll set sleeps in is behind the `Poller` trait (mio's `epoll` here), so that the loom
 //! models (`loom_models`, see `sync`) can run the real sleep / wake protocol over a
 //! model event.
@@ -124,6 +136,10 @@ pub(crate) struct PollSet<P: Poller = Poll> {
     registry: P::Registry,
     waker: P::Waker,
     conns: Mutex<HashMap<Token, Weak<Conn>>>,
+    /// Connections whose delivery acks wait for a ride (see [`PollSet::defer_acks`]),
+    /// and 1 while there may be any (checked without the lock on every look).
+    owed: Mutex<HashMap<Token, Weak<Conn>>>,
+    owes: AtomicUsize,
     /// Threads inside `epoll_wait` on this set (wake them when something else completes).
     pub sleepers: AtomicUsize,
     /// 1 while the application waits for this (completion queue's) set's descriptor to
@@ -183,6 +199,8 @@ impl<P: Poller> PollSet<P> {
             registry,
             waker,
             conns: Mutex::new(HashMap::new()),
+            owed: Mutex::new(HashMap::new()),
+            owes: AtomicUsize::new(0),
             sleepers: AtomicUsize::new(0),
             armed: AtomicUsize::new(0),
             driven_at: AtomicU64::new(0),
@@ -232,6 +250,7 @@ impl<P: Poller> PollSet<P> {
     /// `loom_cq_armed_descriptor_is_woken_by_push` finds that lost wake-up.
     pub fn arm(&self, done: impl Fn() -> bool) -> bool {
         self.mark_driven();
+        self.send_owed_acks();
         let full = match self.poll.try_lock() {
             Ok(mut poll) => self.dispatch(&mut poll, Some(Duration::ZERO)),
             // Another thread sleeps in (or looks at) the set: it consumes the readiness
@@ -251,6 +270,7 @@ impl<P: Poller> PollSet<P> {
     /// does nothing when another thread is polling this set (it does the work).
     pub fn run_now(&self) {
         self.mark_driven();
+        self.send_owed_acks();
         if let Ok(mut poll) = self.poll.try_lock() {
             self.dispatch(&mut poll, Some(Duration::ZERO));
         }
@@ -262,6 +282,7 @@ impl<P: Poller> PollSet<P> {
     /// follows a change `done` looks at is never lost.
     pub fn run_unless(&self, timeout: Option<Duration>, done: impl Fn() -> bool) {
         self.mark_driven();
+        self.send_owed_acks();
         let mut poll = self.poll.lock().expect("poll set poisoned");
         self.sleepers.fetch_add(1, Ordering::SeqCst);
         // Paired with the fence in `wake`: either the waker sees this sleeper, or this
@@ -280,9 +301,43 @@ impl<P: Poller> PollSet<P> {
         // at a time; progress itself never blocks.
         let mut full = false;
         for c in self.ready(poll, timeout, &mut full) {
-            c.progress();
+            c.progress_app();
         }
         full
+    }
+
+    /// Notes that `conn` deferred delivery acks (an application's progress pass: see
+    /// [`Conn::progress_app`]): this set's next look sends them, if nothing carried them
+    /// before. Wakes a thread sleeping in the set without a limit (the domain's progress
+    /// thread), which then keeps the connection in view.
+    pub fn defer_acks(&self, conn: &Arc<Conn>) {
+        self.owed
+            .lock()
+            .expect("poll set poisoned")
+            .insert(conn.token, Arc::downgrade(conn));
+        self.owes.store(1, Ordering::SeqCst);
+        self.wake();
+    }
+
+    /// Takes the connections that deferred acks (the flag is cleared first: a deferral
+    /// that races with this one raises it again).
+    fn take_owed(&self) -> Vec<Weak<Conn>> {
+        if self.owes.load(Ordering::Relaxed) == 0 {
+            return Vec::new();
+        }
+        self.owes.store(0, Ordering::SeqCst);
+        let mut owed = self.owed.lock().expect("poll set poisoned");
+        owed.drain().map(|(_, w)| w).collect()
+    }
+
+    /// The application is back (a poll, a wait, an arm): the acks its last pass deferred
+    /// go out now unless a post carried them already.
+    fn send_owed_acks(&self) {
+        for w in self.take_owed() {
+            if let Some(c) = w.upgrade() {
+                c.send_owed_acks();
+            }
+        }
     }
 
     /// Waits up to `timeout` for readiness; the connections found ready. Sets `full` when
@@ -317,14 +372,26 @@ impl PollSet {
         // HANDOFF until the application stops (then progressed here) or they are gone.
         let mut skipped: HashMap<Token, Weak<Conn>> = HashMap::new();
         while !stop.load(Ordering::Acquire) {
+            // Connections whose application deferred acks: watched like skipped ones, so
+            // that the acks leave within HANDOFF of the application's last poll.
+            for w in self.take_owed() {
+                if let Some(c) = w.upgrade() {
+                    skipped.insert(c.token, w);
+                }
+            }
             let ready = if skipped.is_empty() {
                 let mut poll = self.poll.lock().expect("poll set poisoned");
                 self.sleepers.fetch_add(1, Ordering::SeqCst);
-                // Paired with the fence in `wake`, as in `run_unless`.
+                // Paired with the fence in `wake`, as in `run_unless` (and with
+                // `defer_acks`, which raises `owes` before it wakes).
                 std::sync::atomic::fence(Ordering::SeqCst);
                 if stop.load(Ordering::Acquire) {
                     self.sleepers.fetch_sub(1, Ordering::SeqCst);
                     return;
+                }
+                if self.owes.load(Ordering::SeqCst) != 0 {
+                    self.sleepers.fetch_sub(1, Ordering::SeqCst);
+                    continue;
                 }
                 self.ready(&mut poll, None, &mut false)
             } else {

@@ -172,9 +172,9 @@ impl OutMsg {
         }
     }
 
-    /// Encodes the whole message into bytes (small messages, for the direct path).
-    pub fn encode(&self, max_seg: usize, crc: bool) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.payload.len() + 32);
+    /// Encodes the whole message, appending to `out` (small messages, for the direct path).
+    pub fn encode_into(&self, out: &mut Vec<u8>, max_seg: usize, crc: bool) {
+        out.reserve(self.payload.len() + 32);
         let mut off = 0;
         loop {
             let f = self.fpdu_at(off, max_seg, crc);
@@ -184,7 +184,7 @@ impl OutMsg {
             out.extend_from_slice(&f.trailer[..f.trailer_len]);
             off += f.seg;
             if f.last {
-                return out;
+                return;
             }
         }
     }

@@ -206,3 +206,65 @@ fn progress_thread_takes_over_when_the_application_stops_polling() {
         assert_eq!(dst.buffer().to_vec(at as usize, 8), b"handoff!");
     }
 }
+
+/// The delivery ack of a message that the application's own poll placed is deferred, to
+/// ride on the application's next send; it must still leave when no send comes. Auto
+/// progress: the target polls until it has the message and then never again, and the
+/// sender's send completes anyway (the progress thread sends the ack). Manual progress:
+/// the target's next poll, an empty one, sends it.
+#[test]
+fn deferred_acks_leave_without_a_send_to_carry_them() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for mode in [ProgressMode::Auto, ProgressMode::Manual] {
+        let domain = TcpDomain::open(TcpOptions {
+            progress: mode,
+            ..TcpOptions::default()
+        })
+        .unwrap();
+        let cq_a = domain.create_cq(64).unwrap();
+        let cq_b = domain.create_cq(64).unwrap();
+        let (a, b) = connect(&domain, &cq_a, &cq_b, 1).pop().unwrap();
+        let src = domain
+            .register(Arc::new(Buffer::from_slice(b"deferred")), Access::empty())
+            .unwrap();
+        let dst = domain
+            .register(Arc::new(Buffer::new(8)), Access::LOCAL_WRITE)
+            .unwrap();
+        let mut out = Vec::new();
+        for round in 0..20u64 {
+            b.post_recv(&fabric_api::RecvWr::new(round, &[dst.all()]))
+                .unwrap();
+            a.post_send(&SendWr::send(1000 + round, &[src.all()]))
+                .unwrap();
+            // The target's application polls until its receive completes (its poll places
+            // the message, so the ack is deferred) ...
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while cq_b.poll(&mut out, 1).unwrap() == 0 {
+                assert!(
+                    Instant::now() < deadline,
+                    "{mode:?}: message {round} never arrived"
+                );
+                if mode == ProgressMode::Manual {
+                    cq_a.poll(&mut Vec::new(), 0).unwrap(); // the sender's own progress
+                }
+            }
+            let c = out.pop().unwrap();
+            assert_eq!((c.context, c.status), (round, Status::Success));
+            // ... and then does not poll again (auto), or polls once more, finding nothing
+            // (manual): either way the send completes.
+            if mode == ProgressMode::Manual {
+                assert_eq!(cq_b.poll(&mut out, 1).unwrap(), 0);
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while cq_a.poll(&mut out, 1).unwrap() == 0 {
+                assert!(
+                    Instant::now() < deadline,
+                    "{mode:?}: send {round} never completed: its ack stayed deferred"
+                );
+                std::hint::spin_loop();
+            }
+            let c = out.pop().unwrap();
+            assert_eq!((c.context, c.status), (1000 + round, Status::Success));
+        }
+    }
+}

@@ -405,12 +405,51 @@ impl Conn {
     /// (The protocol is [`serialised`](crate::engine::sync::serialised); a loom model
     /// checks it.)
     pub fn progress(&self) {
+        self.progress_as(false);
+    }
+
+    /// [`progress`](Self::progress) on behalf of the application (its poll, wait or arm on
+    /// one of this connection's completion queues). The delivery acks of what this pass
+    /// places are deferred instead of sent ahead of the receive completions: the
+    /// application is about to see them and, in a ping-pong, to answer, and its next send
+    /// carries the acks in the same `send` (one system call and one segment instead of
+    /// two). At the latest they leave at the application's next poll, wait or arm on
+    /// either queue, a post, a close, or, when it stops polling, within `HANDOFF` from the
+    /// domain's progress thread (docs/contract.md section 4).
+    pub fn progress_app(self: &Arc<Self>) {
+        if self.progress_as(true) {
+            let sets = [
+                self.engine.set.as_ref(),
+                self.send_cq.set(),
+                self.recv_cq.set(),
+            ];
+            for (i, set) in sets.iter().enumerate() {
+                if !sets[..i].iter().any(|s| std::ptr::eq(*s, *set)) {
+                    set.defer_acks(self);
+                }
+            }
+        }
+    }
+
+    /// Returns whether acks were deferred (only when `defer`).
+    fn progress_as(&self, defer: bool) -> bool {
+        let mut deferred = false;
         crate::engine::sync::serialised(&self.rx, &self.rx_pending, |rx| {
             self.flush_tx();
-            self.rx_step(rx);
+            deferred = self.rx_step(rx, defer);
             // What the receive side queued (responses, acks) goes out now.
             self.flush_tx();
         });
+        deferred
+    }
+
+    /// Sends the delivery acks a pass of the application deferred, unless a send carried
+    /// them already.
+    pub fn send_owed_acks(&self) {
+        let mut st = self.lock();
+        if st.acks_owed != [0; 2] && !st.batching {
+            self.transmit_owed_acks(&mut st);
+        }
     }
 
     /// Writes what the socket takes of the transmit queue, then marks what went out.
@@ -879,9 +918,9 @@ impl Conn {
             imm,
             ep_context: self.ep_context,
         };
-        // The sender's ack leaves before the application can see the receive: an
-        // application that exits on a message must not take the ack with it (the sender
-        // would see its delivered message flushed).
+        // Counted into the batch: at its end the ack leaves before the application can see
+        // the receive, unless the application's own pass placed it (then it rides on the
+        // application's next message: see `progress_app`).
         if self.neg.has(features::ACKS) {
             self.send_ack(st, ddp::ACK_MESSAGES | 1);
         }
@@ -933,18 +972,57 @@ impl Conn {
 
     // ----- transmit ------------------------------------------------------------------
 
-    /// Assigns the MSN and hands the message to the socket, or queues it behind others.
-    fn transmit(&self, st: &mut State, mut m: OutMsg) {
+    /// Hands the message to the socket, or queues it behind others; acks owed (deferred
+    /// by the application's last pass) go first, in the same `send` when the message is
+    /// small.
+    fn transmit(&self, st: &mut State, m: OutMsg) {
+        let acks = Self::take_owed_acks(st);
+        if acks.is_empty() {
+            return self.transmit_one(st, m);
+        }
+        let direct = m.payload.len() <= DIRECT_LIMIT && {
+            let tx = self.tx.lock().expect("tx poisoned");
+            tx.is_idle() && !tx.closed
+        };
+        if !direct {
+            for a in acks {
+                self.transmit_one(st, a);
+            }
+            return self.transmit_one(st, m);
+        }
+        let mut bytes = Vec::with_capacity(m.payload.len() + 32 * (acks.len() + 1));
+        for mut a in acks {
+            Self::number(st, &mut a);
+            a.encode_into(&mut bytes, self.max_seg, self.neg.crc);
+        }
+        self.transmit_encoded(st, m, bytes);
+    }
+
+    /// Assigns an untagged message its MSN.
+    fn number(st: &mut State, m: &mut OutMsg) {
         if let Kind::Untagged { qn, msn, .. } = &mut m.kind {
             *msn = st.msn[*qn as usize];
             st.msn[*qn as usize] = msn.wrapping_add(1);
         }
+    }
+
+    /// Assigns the MSN and hands the message to the socket, or queues it behind others.
+    fn transmit_one(&self, st: &mut State, m: OutMsg) {
+        self.transmit_encoded(st, m, Vec::new());
+    }
+
+    /// [`Self::transmit_one`], with `prefix` (whole encoded FPDUs, numbered already) sent
+    /// ahead of the message in the same `send`; a non-empty prefix is only given when the
+    /// message is small and the transmit queue idle.
+    fn transmit_encoded(&self, st: &mut State, mut m: OutMsg, mut prefix: Vec<u8>) {
+        Self::number(st, &mut m);
         let mut tx = self.tx.lock().expect("tx poisoned");
         if tx.closed {
             return;
         }
         if tx.is_idle() && m.payload.len() <= DIRECT_LIMIT {
-            let bytes = m.encode(self.max_seg, self.neg.crc);
+            m.encode_into(&mut prefix, self.max_seg, self.neg.crc);
+            let bytes = prefix;
             let n = match socket2::SockRef::from(&self.sock)
                 .send_with_flags(&bytes, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
             {
@@ -972,6 +1050,9 @@ impl Conn {
                 .push_back(Queued::Tail(bytes[n..].to_vec(), m.sent_seq, m.inbound));
             // The socket is full: its writable edge brings progress back.
             return;
+        }
+        if !prefix.is_empty() {
+            tx.queue.push_back(Queued::Tail(prefix, None, false));
         }
         tx.inbound += u32::from(m.inbound);
         let inbound = m.inbound;
@@ -1010,34 +1091,49 @@ impl Conn {
     /// Ends a receive batch: sends the acks counted during it, one per kind carrying the
     /// count (the wire's ack counts; the peer credits that many operations in order), then
     /// delivers the batch's receive completions.
-    fn flush_acks(&self, st: &mut State) {
+    /// With `defer` (the application's own pass) the acks stay owed and the completions
+    /// are delivered at once: the acks ride on the next message this connection sends
+    /// ([`Self::transmit`]), or leave when the application is back (see
+    /// [`Self::progress_app`]). Returns whether acks stay owed.
+    fn flush_acks(&self, st: &mut State, defer: bool) -> bool {
         st.batching = false;
-        for (kind, flag) in [(0, 0), (1, ddp::ACK_MESSAGES)] {
-            let mut n = std::mem::take(&mut st.acks_owed[kind]);
-            while n > 0 {
-                let take = n.min(ddp::ACK_COUNT);
-                self.transmit_ack(st, flag | take);
-                n -= take;
-            }
+        let deferred = defer && st.acks_owed != [0; 2] && st.status == EndpointState::Connected;
+        if !deferred {
+            self.transmit_owed_acks(st);
         }
         for c in st.received.drain(..) {
             self.recv_cq.push(c);
         }
+        deferred
+    }
+
+    /// Transmits the acks owed, one per kind carrying the count (the wire's ack counts;
+    /// the peer credits that many operations in order).
+    fn transmit_owed_acks(&self, st: &mut State) {
+        for msg in Self::take_owed_acks(st) {
+            self.transmit_one(st, msg);
+        }
+    }
+
+    /// The ack messages owed (none when nothing is).
+    fn take_owed_acks(st: &mut State) -> Vec<OutMsg> {
+        let mut acks = Vec::new();
+        if st.acks_owed == [0; 2] {
+            return acks;
+        }
+        for (kind, flag) in [(0, 0), (1, ddp::ACK_MESSAGES)] {
+            let mut n = std::mem::take(&mut st.acks_owed[kind]);
+            while n > 0 {
+                let take = n.min(ddp::ACK_COUNT);
+                acks.push(ack_msg(flag | take));
+                n -= take;
+            }
+        }
+        acks
     }
 
     fn transmit_ack(&self, st: &mut State, ulp: u32) {
-        self.transmit(
-            st,
-            OutMsg::control(
-                Kind::Untagged {
-                    opcode: opcode::ACK,
-                    ulp,
-                    qn: qn::ACK,
-                    msn: 0,
-                },
-                Vec::new(),
-            ),
-        );
+        self.transmit(st, ack_msg(ulp));
     }
 
     /// Sets the word at `offset` of the credit area of a peer on this framework's iwarp
@@ -1371,6 +1467,19 @@ impl Conn {
 }
 
 /// A Read Request of `size` bytes at (`stag`, `to`); the sink STag is filled in at post time.
+/// A delivery ack carrying `ulp` (kind flag and count).
+fn ack_msg(ulp: u32) -> OutMsg {
+    OutMsg::control(
+        Kind::Untagged {
+            opcode: opcode::ACK,
+            ulp,
+            qn: qn::ACK,
+            msn: 0,
+        },
+        Vec::new(),
+    )
+}
+
 fn read_request(size: u32, stag: u32, to: u64) -> OutMsg {
     OutMsg::control(
         Kind::Untagged {

@@ -186,8 +186,11 @@ fn complete_fpdu(b: &[u8]) -> Result<Option<(usize, usize, usize)>, RxEnd> {
 
 impl Conn {
     /// Reads and handles until the socket would block, the machine waits for room, or the
-    /// connection ends (then the endpoint fails or disconnects, as the end says).
-    pub(super) fn rx_step(&self, rx: &mut Rx) {
+    /// connection ends (then the endpoint fails or disconnects, as the end says). With
+    /// `defer`, the batch's delivery acks may stay owed ([`Conn::flush_acks`]); returns
+    /// whether they did.
+    pub(super) fn rx_step(&self, rx: &mut Rx, defer: bool) -> bool {
+        let mut deferred = false;
         if !rx.done {
             let over = {
                 let mut st = self.lock();
@@ -199,11 +202,11 @@ impl Conn {
                 Err(RxEnd::Local)
             } else {
                 let res = self.rx_run(rx);
-                self.flush_acks(&mut self.lock());
+                deferred = self.flush_acks(&mut self.lock(), defer && res.is_ok());
                 res
             };
             match res {
-                Ok(()) => return,
+                Ok(()) => return deferred,
                 Err(end) => {
                     rx.done = true;
                     self.rx_end(end);
@@ -213,6 +216,7 @@ impl Conn {
         if self.graceful.load(AtomicOrdering::SeqCst) {
             self.rx_drain(rx);
         }
+        false
     }
 
     /// After the end: reads and drops whatever the peer still sends, so that the socket
@@ -231,6 +235,10 @@ impl Conn {
 
     fn rx_run(&self, rx: &mut Rx) -> Result<(), RxEnd> {
         self.rx_blocked.store(false, AtomicOrdering::SeqCst);
+        // The last read returned less than it asked for: the socket was empty then, so
+        // once what arrived is handled the pass ends without one more `recv` to see
+        // EAGAIN. Safe with edge-triggered epoll: every later arrival raises a new edge.
+        let mut drained = false;
         loop {
             if rx.direct.is_some() {
                 if self.rx_direct(rx)? {
@@ -279,6 +287,9 @@ impl Conn {
             if rx.skip == 0 && !rx.p.crc && self.start_direct(rx)? {
                 continue;
             }
+            if drained {
+                return Ok(());
+            }
             if rx.start == rx.end {
                 rx.start = 0;
                 rx.end = 0;
@@ -316,7 +327,10 @@ impl Conn {
                     ))
                 }
                 Ok(0) => return Err(RxEnd::Eof),
-                Ok(n) => rx.end += n,
+                Ok(n) => {
+                    rx.end += n;
+                    drained = n < room;
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(RxEnd::Io(e)),
