@@ -39,7 +39,9 @@
 //! within `HANDOFF` (which never sleeps without a limit while a note is pending). Passes of
 //! the progress thread, a close or a drain send acks before the completions, as before.
 //! Reads stop at a short `recv` (the socket was empty; a later arrival raises a new edge)
-//! instead of asking once more to see `EAGAIN`.
+//! instead of asking once more to see `EAGAIN`, except once an event reported the peer's
+//! FIN, a reset or an error: those may have come before the short read, with no edge
+//! after it, so from then on the machine reads on to the end of the stream.
 //!
 //! What a poll set sleeps in is behind the `Poller` trait (mio's `epoll` here), so that the loom
 //! models (`loom_models`, see `sync`) can run the real sleep / wake protocol over a
@@ -132,7 +134,8 @@ impl Poller for Poll {
 /// A set of connections watched by one `epoll` instance, with a waker.
 #[derive(Debug)]
 pub(crate) struct PollSet<P: Poller = Poll> {
-    poll: Mutex<P>,
+    /// The poller, and its event buffer (allocated once: an empty poll allocates nothing).
+    poll: Mutex<(P, Events)>,
     registry: P::Registry,
     waker: P::Waker,
     conns: Mutex<HashMap<Token, Weak<Conn>>>,
@@ -195,7 +198,7 @@ impl<P: Poller> PollSet<P> {
     /// A poll set sleeping in `poll`.
     pub fn with(poll: P, registry: P::Registry, waker: P::Waker) -> PollSet<P> {
         PollSet {
-            poll: Mutex::new(poll),
+            poll: Mutex::new((poll, Events::with_capacity(EVENTS))),
             registry,
             waker,
             conns: Mutex::new(HashMap::new()),
@@ -296,7 +299,7 @@ impl<P: Poller> PollSet<P> {
     }
 
     /// Returns whether the wait filled its batch of events (more may be ready).
-    fn dispatch(&self, poll: &mut P, timeout: Option<Duration>) -> bool {
+    fn dispatch(&self, poll: &mut (P, Events), timeout: Option<Duration>) -> bool {
         // The set stays locked while progress runs, so that only one thread sleeps in it
         // at a time; progress itself never blocks.
         let mut full = false;
@@ -342,9 +345,14 @@ impl<P: Poller> PollSet<P> {
 
     /// Waits up to `timeout` for readiness; the connections found ready. Sets `full` when
     /// the batch of events was full.
-    fn ready(&self, poll: &mut P, timeout: Option<Duration>, full: &mut bool) -> Vec<Arc<Conn>> {
-        let mut events = Events::with_capacity(EVENTS);
-        let res = poll.wait(&mut events, timeout);
+    fn ready(
+        &self,
+        poll: &mut (P, Events),
+        timeout: Option<Duration>,
+        full: &mut bool,
+    ) -> Vec<Arc<Conn>> {
+        let (poller, events) = poll;
+        let res = poller.wait(events, timeout);
         *full = events.iter().count() >= EVENTS;
         if timeout != Some(Duration::ZERO) {
             self.sleepers.fetch_sub(1, Ordering::SeqCst);
@@ -359,7 +367,13 @@ impl<P: Poller> PollSet<P> {
         events
             .iter()
             .filter(|e| e.token() != WAKER)
-            .filter_map(|e| conns.get(&e.token()).and_then(Weak::upgrade))
+            .filter_map(|e| {
+                let c = conns.get(&e.token()).and_then(Weak::upgrade)?;
+                if e.is_read_closed() || e.is_write_closed() || e.is_error() {
+                    c.hung_up();
+                }
+                Some(c)
+            })
             .collect()
     }
 }

@@ -253,6 +253,8 @@ pub(crate) struct Conn {
     rx_blocked: AtomicBool,
     /// The application closed the endpoint (not a failure): see [`Conn::shutdown`].
     graceful: AtomicBool,
+    /// An event reported the peer's FIN, a reset or an error ([`Conn::hung_up`]).
+    hangup: AtomicBool,
     /// We may send: false only while we are the responder of a connection with credits
     /// and the initiator's first FPDU has not arrived. An MPA responder must not send
     /// before that (siw's initiator reads the MPA Reply with a look-ahead and fails the
@@ -329,6 +331,7 @@ impl Conn {
             rx_blocked: AtomicBool::new(false),
             heard: AtomicBool::new(heard),
             graceful: AtomicBool::new(false),
+            hangup: AtomicBool::new(false),
             token: crate::engine::next_token(),
             engine,
             ep_context,
@@ -390,6 +393,13 @@ impl Conn {
         self.engine.set.remove(self.token, &self.sock);
         self.send_cq.set().remove(self.token, &self.sock);
         self.recv_cq.set().remove(self.token, &self.sock);
+    }
+
+    /// An event reported the peer's FIN, a reset or an error: it may have arrived before
+    /// the receive machine's last (short) read, and no later edge will announce it, so the
+    /// machine reads until the socket says so (EOF, error or `EAGAIN`) from now on.
+    pub fn hung_up(&self) {
+        self.hangup.store(true, AtomicOrdering::SeqCst);
     }
 
     /// Whether the application drives this connection through one of its completion

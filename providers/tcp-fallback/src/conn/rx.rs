@@ -237,7 +237,8 @@ impl Conn {
         self.rx_blocked.store(false, AtomicOrdering::SeqCst);
         // The last read returned less than it asked for: the socket was empty then, so
         // once what arrived is handled the pass ends without one more `recv` to see
-        // EAGAIN. Safe with edge-triggered epoll: every later arrival raises a new edge.
+        // EAGAIN. Safe with edge-triggered epoll: every later arrival raises a new edge (a
+        // FIN or reset that came before the read is seen by the event: `Conn::hung_up`).
         let mut drained = false;
         loop {
             if rx.direct.is_some() {
@@ -287,7 +288,7 @@ impl Conn {
             if rx.skip == 0 && !rx.p.crc && self.start_direct(rx)? {
                 continue;
             }
-            if drained {
+            if drained && !self.hangup.load(AtomicOrdering::SeqCst) {
                 return Ok(());
             }
             if rx.start == rx.end {
