@@ -25,6 +25,15 @@ bitflags::bitflags! {
         const INLINE = 1 << 1;
         /// Do not start this request before every earlier read and atomic has completed.
         const FENCE = 1 << 2;
+        /// More posts follow at once (libfabric's `FI_MORE`): the provider may hold this
+        /// request back so that it leaves with the next ones, small messages in one
+        /// system call or doorbell. A hint, never a wait without bound: the held requests
+        /// leave with the next post on the endpoint without `MORE`, at the application's
+        /// next poll, wait or arm of the endpoint's completion queues, at its close, and
+        /// (progress `auto`) within 1 ms from the provider's progress thread. The tcp
+        /// provider coalesces small messages this way; the verbs providers post every
+        /// request at once (the flag changes nothing there).
+        const MORE = 1 << 3;
     }
 }
 
@@ -169,6 +178,12 @@ impl<'a> SendWr<'a> {
     /// Waits for earlier reads and atomics before starting.
     pub fn fenced(mut self) -> Self {
         self.flags |= SendFlags::FENCE;
+        self
+    }
+    /// More posts follow at once ([`SendFlags::MORE`]): the provider may hold this request
+    /// to send it with them.
+    pub fn more(mut self) -> Self {
+        self.flags |= SendFlags::MORE;
         self
     }
     /// The completion opcode this request produces.

@@ -225,14 +225,19 @@ fn measure(
     let mut outstanding = vec![0usize; n];
     let mut received = 0u64;
     let mut out = Vec::with_capacity(256);
+    let mut touched = Vec::with_capacity(256);
     let t = Instant::now();
     let mut last_progress = Instant::now();
     // Fill every window, then keep it full until each pair has sent its share.
     let post = |p: usize, sent: &mut [u64], outstanding: &mut [usize]| -> Result<(), String> {
         while outstanding[p] < w && sent[p] < per_pair {
+            // All but the last of a burst with MORE: the provider may send them together.
+            let sge = [src.all()];
+            let wr = SendWr::send(p as u64, &sge);
+            let last = outstanding[p] + 1 == w || sent[p] + 1 == per_pair;
             pairs[p]
                 .0
-                .post_send(&SendWr::send(p as u64, &[src.all()]))
+                .post_send(&if last { wr } else { wr.more() })
                 .map_err(|err| format!("{n} pairs: post_send: {err}"))?;
             outstanding[p] += 1;
             sent[p] += 1;
@@ -246,12 +251,19 @@ fn measure(
         let mut got = 0;
         out.clear();
         got += ccq.poll(&mut out, 256).map_err(e("poll"))?;
+        // Reap first, then refill each pair's window in one burst.
+        touched.clear();
         for c in out.drain(..) {
             if c.status != Status::Success {
                 return Err(format!("{n} pairs: send completed {c:?}"));
             }
             let p = c.context as usize;
+            if outstanding[p] == w {
+                touched.push(p);
+            }
             outstanding[p] -= 1;
+        }
+        for &p in &touched {
             post(p, &mut sent, &mut outstanding)?;
         }
         got += scq.poll(&mut out, 256).map_err(e("poll"))?;

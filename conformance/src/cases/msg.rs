@@ -26,7 +26,83 @@ pub(super) fn cases() -> Vec<Case> {
         "msg.inline_buffer_free_at_once", "3", OpSet::SEND | OpSet::INLINE | OpSet::RNR_WAIT => inline_free;
         "msg.inline_over_max", "3", OpSet::SEND | OpSet::INLINE => inline_over_max;
         "msg.two_processes", "3", OpSet::SEND => two_processes;
+        "msg.more_posts_leave_in_order", "3", OpSet::SEND | OpSet::WRITE => more_posts;
     }
+}
+
+/// `SendFlags::MORE` is a hint: requests posted with it arrive in post order with the
+/// others, and a last one with no follower still leaves (here: while its sender polls).
+fn more_posts(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let src = region(&p.da, 4096, Access::empty())?;
+    let dst = region(&p.db, 16 * 64, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+    let wdst = region(&p.db, 64, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+    for i in 0..16u8 {
+        src.buffer().fill(usize::from(i) * 64, 64, b'a' + i);
+    }
+    src.buffer().fill(2048, 64, b'W');
+    for i in 0..17u64 {
+        let at = i as usize * 64;
+        p.b.post_recv(&RecvWr::new(
+            100 + i,
+            &[dst.slice(at % 1024..at % 1024 + 64).ctx("slice")?],
+        ))
+        .ctx("post_recv")?;
+    }
+    // Sixteen sends of 1..=16 bytes and, in the middle, a write: every one but the last
+    // posted with MORE.
+    for i in 0..16u64 {
+        let len = i as usize + 1;
+        let sge = [src
+            .slice(i as usize * 64..i as usize * 64 + len)
+            .ctx("slice")?];
+        let wr = SendWr::send(i, &sge);
+        p.a.post_send(&if i < 15 { wr.more() } else { wr })
+            .ctx("post_send")?;
+        if i == 7 {
+            p.a.post_send(
+                &SendWr::write(
+                    50,
+                    &[src.slice(2048..2112).ctx("slice")?],
+                    wdst.desc().at(0),
+                )
+                .more(),
+            )
+            .ctx("post write")?;
+        }
+    }
+    for i in 0..16u64 {
+        let r = expect_ok(&p.cqb, 100 + i, Opcode::Recv)?;
+        ensure!(r.byte_len == i + 1, "message {i} has {} bytes", r.byte_len);
+        let got = dst.buffer().to_vec(i as usize * 64, r.byte_len as usize);
+        ensure!(
+            got.iter().all(|&b| b == b'a' + i as u8),
+            "receive {i} holds {:?}: messages out of post order",
+            String::from_utf8_lossy(&got)
+        );
+    }
+    for i in 0..8u64 {
+        expect_ok(&p.cqa, i, Opcode::Send)?;
+    }
+    expect_ok(&p.cqa, 50, Opcode::Write)?;
+    for i in 8..16u64 {
+        expect_ok(&p.cqa, i, Opcode::Send)?;
+    }
+    ensure!(
+        wdst.buffer().to_vec(0, 64).iter().all(|&b| b == b'W'),
+        "the write posted with MORE was not placed"
+    );
+    // A last MORE post with nothing after it: it leaves anyway.
+    p.a.post_send(&SendWr::send(99, &[src.slice(0..8).ctx("slice")?]).more())
+        .ctx("post_send")?;
+    let r = expect_ok(&p.cqb, 116, Opcode::Recv)?;
+    ensure!(
+        r.byte_len == 8,
+        "the lone MORE send arrived with {} bytes",
+        r.byte_len
+    );
+    expect_ok(&p.cqa, 99, Opcode::Send)?;
+    Ok(())
 }
 
 fn send_recv(ctx: &Ctx) -> CaseResultOf {

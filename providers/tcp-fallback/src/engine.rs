@@ -34,10 +34,12 @@
 //! application's next message on that connection and leaves in the same `send` (a
 //! ping-pong then costs one system call and one segment per message instead of two). The
 //! connection is noted in the poll sets of both its completion queues and of the domain
-//! ([`PollSet::defer_acks`]), so the ack leaves at the latest at the application's next
+//! ([`PollSet::note_held`]), so the ack leaves at the latest at the application's next
 //! poll, wait or arm on either queue, or, once it stops polling, from the progress thread
 //! within `HANDOFF` (which never sleeps without a limit while a note is pending). Passes of
 //! the progress thread, a close or a drain send acks before the completions, as before.
+//! Requests posted with `SendFlags::MORE` are held the same way (libfabric's `FI_MORE`):
+//! small messages then leave together, in one `send`, with the next post without `MORE`.
 //! Reads stop at a short `recv` (the socket was empty; a later arrival raises a new edge)
 //! instead of asking once more to see `EAGAIN`, except once an event reported the peer's
 //! FIN, a reset or an error: those may have come before the short read, with no edge
@@ -139,7 +141,7 @@ pub(crate) struct PollSet<P: Poller = Poll> {
     registry: P::Registry,
     waker: P::Waker,
     conns: Mutex<HashMap<Token, Weak<Conn>>>,
-    /// Connections whose delivery acks wait for a ride (see [`PollSet::defer_acks`]),
+    /// Connections holding output back (see [`PollSet::note_held`]),
     /// and 1 while there may be any (checked without the lock on every look).
     owed: Mutex<HashMap<Token, Weak<Conn>>>,
     owes: AtomicUsize,
@@ -253,7 +255,7 @@ impl<P: Poller> PollSet<P> {
     /// `loom_cq_armed_descriptor_is_woken_by_push` finds that lost wake-up.
     pub fn arm(&self, done: impl Fn() -> bool) -> bool {
         self.mark_driven();
-        self.send_owed_acks();
+        self.send_held();
         let full = match self.poll.try_lock() {
             Ok(mut poll) => self.dispatch(&mut poll, Some(Duration::ZERO)),
             // Another thread sleeps in (or looks at) the set: it consumes the readiness
@@ -273,7 +275,7 @@ impl<P: Poller> PollSet<P> {
     /// does nothing when another thread is polling this set (it does the work).
     pub fn run_now(&self) {
         self.mark_driven();
-        self.send_owed_acks();
+        self.send_held();
         if let Ok(mut poll) = self.poll.try_lock() {
             self.dispatch(&mut poll, Some(Duration::ZERO));
         }
@@ -285,7 +287,7 @@ impl<P: Poller> PollSet<P> {
     /// follows a change `done` looks at is never lost.
     pub fn run_unless(&self, timeout: Option<Duration>, done: impl Fn() -> bool) {
         self.mark_driven();
-        self.send_owed_acks();
+        self.send_held();
         let mut poll = self.poll.lock().expect("poll set poisoned");
         self.sleepers.fetch_add(1, Ordering::SeqCst);
         // Paired with the fence in `wake`: either the waker sees this sleeper, or this
@@ -309,11 +311,11 @@ impl<P: Poller> PollSet<P> {
         full
     }
 
-    /// Notes that `conn` deferred delivery acks (an application's progress pass: see
-    /// [`Conn::progress_app`]): this set's next look sends them, if nothing carried them
-    /// before. Wakes a thread sleeping in the set without a limit (the domain's progress
+    /// Notes that `conn` holds output back (acks deferred by an application's progress
+    /// pass, see [`Conn::progress_app`]; requests posted with `SendFlags::MORE`): this
+    /// set's next look sends it, if nothing carried it before. Wakes a thread sleeping in the set without a limit (the domain's progress
     /// thread), which then keeps the connection in view.
-    pub fn defer_acks(&self, conn: &Arc<Conn>) {
+    pub fn note_held(&self, conn: &Arc<Conn>) {
         self.owed
             .lock()
             .expect("poll set poisoned")
@@ -322,7 +324,7 @@ impl<P: Poller> PollSet<P> {
         self.wake();
     }
 
-    /// Takes the connections that deferred acks (the flag is cleared first: a deferral
+    /// Takes the connections that hold output back (the flag is cleared first: a deferral
     /// that races with this one raises it again).
     fn take_owed(&self) -> Vec<Weak<Conn>> {
         if self.owes.load(Ordering::Relaxed) == 0 {
@@ -333,12 +335,12 @@ impl<P: Poller> PollSet<P> {
         owed.drain().map(|(_, w)| w).collect()
     }
 
-    /// The application is back (a poll, a wait, an arm): the acks its last pass deferred
-    /// go out now unless a post carried them already.
-    fn send_owed_acks(&self) {
+    /// The application is back (a poll, a wait, an arm): what its connections hold back
+    /// goes out now unless a post carried it already.
+    fn send_held(&self) {
         for w in self.take_owed() {
             if let Some(c) = w.upgrade() {
-                c.send_owed_acks();
+                c.send_held();
             }
         }
     }
@@ -386,8 +388,8 @@ impl PollSet {
         // HANDOFF until the application stops (then progressed here) or they are gone.
         let mut skipped: HashMap<Token, Weak<Conn>> = HashMap::new();
         while !stop.load(Ordering::Acquire) {
-            // Connections whose application deferred acks: watched like skipped ones, so
-            // that the acks leave within HANDOFF of the application's last poll.
+            // Connections holding output back (deferred acks, `MORE` posts): watched like
+            // skipped ones, so that it leaves within HANDOFF of the application's last poll.
             for w in self.take_owed() {
                 if let Some(c) = w.upgrade() {
                     skipped.insert(c.token, w);
@@ -397,7 +399,7 @@ impl PollSet {
                 let mut poll = self.poll.lock().expect("poll set poisoned");
                 self.sleepers.fetch_add(1, Ordering::SeqCst);
                 // Paired with the fence in `wake`, as in `run_unless` (and with
-                // `defer_acks`, which raises `owes` before it wakes).
+                // `note_held`, which raises `owes` before it wakes).
                 std::sync::atomic::fence(Ordering::SeqCst);
                 if stop.load(Ordering::Acquire) {
                     self.sleepers.fetch_sub(1, Ordering::SeqCst);

@@ -405,7 +405,10 @@ pub struct TcpEndpoint {
 
 impl spi::Endpoint for TcpEndpoint {
     fn post_send(&self, wr: &SendWr<'_>) -> Result<()> {
-        self.conn.post_send(wr)
+        if self.conn.post_send(wr)? {
+            self.conn.defer_output();
+        }
+        Ok(())
     }
     fn post_recv(&self, wr: &RecvWr<'_>) -> Result<()> {
         self.conn.post_recv(wr)

@@ -217,6 +217,10 @@ struct State {
     batching: bool,
     /// Acks owed: RDMA Writes placed, messages matched.
     acks_owed: [u32; 2],
+    /// Messages of requests posted with `SendFlags::MORE`, held back to leave with the
+    /// next ones in one `send` (at most `DIRECT_LIMIT` bytes of payload), and their bytes.
+    corked: Vec<OutMsg>,
+    corked_bytes: usize,
     /// Receive completions of the batch, delivered after its acks are sent.
     received: Vec<Completion>,
     /// Credits ([`crate::credit`]): messages that consume a receive at the peer sent so
@@ -319,6 +323,8 @@ impl Conn {
                 next_req_id: 1,
                 batching: false,
                 acks_owed: [0; 2],
+                corked: Vec::new(),
+                corked_bytes: 0,
                 received: Vec::new(),
                 sends_out: 0,
                 recvs_posted: 0,
@@ -428,15 +434,22 @@ impl Conn {
     /// domain's progress thread (docs/contract.md section 4).
     pub fn progress_app(self: &Arc<Self>) {
         if self.progress_as(true) {
-            let sets = [
-                self.engine.set.as_ref(),
-                self.send_cq.set(),
-                self.recv_cq.set(),
-            ];
-            for (i, set) in sets.iter().enumerate() {
-                if !sets[..i].iter().any(|s| std::ptr::eq(*s, *set)) {
-                    set.defer_acks(self);
-                }
+            self.defer_output();
+        }
+    }
+
+    /// Notes that output is held back (acks deferred by the application's pass, requests
+    /// posted with `SendFlags::MORE`) in the poll sets of both completion queues and of
+    /// the domain, which send it when the application is back or stops polling.
+    pub fn defer_output(self: &Arc<Self>) {
+        let sets = [
+            self.engine.set.as_ref(),
+            self.send_cq.set(),
+            self.recv_cq.set(),
+        ];
+        for (i, set) in sets.iter().enumerate() {
+            if !sets[..i].iter().any(|s| std::ptr::eq(*s, *set)) {
+                set.note_held(self);
             }
         }
     }
@@ -453,12 +466,12 @@ impl Conn {
         deferred
     }
 
-    /// Sends the delivery acks a pass of the application deferred, unless a send carried
-    /// them already.
-    pub fn send_owed_acks(&self) {
+    /// Sends what was held back (acks a pass of the application deferred, requests
+    /// posted with `SendFlags::MORE`), unless a later message carried it already.
+    pub fn send_held(&self) {
         let mut st = self.lock();
-        if st.acks_owed != [0; 2] && !st.batching {
-            self.transmit_owed_acks(&mut st);
+        if !st.batching {
+            self.transmit_held(&mut st);
         }
     }
 
@@ -566,7 +579,9 @@ impl Conn {
         }
     }
 
-    pub fn post_send(&self, wr: &SendWr<'_>) -> Result<()> {
+    /// Posts a request; returns whether its messages were held back (`SendFlags::MORE`:
+    /// the caller then notes the connection with [`Self::defer_output`]).
+    pub fn post_send(&self, wr: &SendWr<'_>) -> Result<bool> {
         let acks = self.neg.has(features::ACKS);
         let inline = wr.flags.contains(SendFlags::INLINE);
         let mut msgs = Vec::with_capacity(2);
@@ -824,11 +839,11 @@ impl Conn {
             sends,
         };
         if st.backlog.is_empty() && self.may_start(&st, &gated) {
-            self.start_gated(&mut st, gated);
-        } else {
-            st.backlog.push_back(gated);
+            let more = wr.flags.contains(SendFlags::MORE);
+            return Ok(self.start_gated(&mut st, gated, more));
         }
-        Ok(())
+        st.backlog.push_back(gated);
+        Ok(false)
     }
 
     fn may_start(&self, st: &State, g: &Gated) -> bool {
@@ -840,14 +855,23 @@ impl Conn {
                 .is_none_or(|(ours, _)| credit_allows(st.sends_out, g.sends, ours.peer_posted()))
     }
 
-    fn start_gated(&self, st: &mut State, g: Gated) {
+    /// Starts a request's messages; with `more` (`SendFlags::MORE`) small ones are held
+    /// back to leave with what follows (`State::corked`). Returns whether they were.
+    fn start_gated(&self, st: &mut State, g: Gated, more: bool) -> bool {
         if g.read_like {
             st.reads_out += 1;
         }
         st.sends_out += g.sends;
+        let len: usize = g.msgs.iter().map(|m| m.payload.len()).sum();
+        if more && st.corked_bytes + len <= DIRECT_LIMIT {
+            st.corked_bytes += len;
+            st.corked.extend(g.msgs);
+            return true;
+        }
         for m in g.msgs {
             self.transmit(st, m);
         }
+        false
     }
 
     fn release_backlog(&self, st: &mut State) {
@@ -856,7 +880,7 @@ impl Conn {
                 break;
             }
             let g = st.backlog.pop_front().expect("front exists");
-            self.start_gated(st, g);
+            self.start_gated(st, g, false);
         }
     }
 
@@ -982,30 +1006,84 @@ impl Conn {
 
     // ----- transmit ------------------------------------------------------------------
 
-    /// Hands the message to the socket, or queues it behind others; acks owed (deferred
-    /// by the application's last pass) go first, in the same `send` when the message is
-    /// small.
+    /// Hands the message to the socket, or queues it behind others; what is held back
+    /// (acks deferred by the application's last pass, requests posted with
+    /// `SendFlags::MORE`) goes first, in the same `send` when all of it is small.
     fn transmit(&self, st: &mut State, m: OutMsg) {
-        let acks = Self::take_owed_acks(st);
-        if acks.is_empty() {
+        let mut held = Self::take_held(st);
+        if held.is_empty() {
             return self.transmit_one(st, m);
         }
-        let direct = m.payload.len() <= DIRECT_LIMIT && {
+        held.push(m);
+        self.transmit_all(st, held);
+    }
+
+    /// Transmits `msgs` in order: encoded into one buffer and handed to the socket with
+    /// one `send` when they are small and nothing is queued, else one by one.
+    fn transmit_all(&self, st: &mut State, msgs: Vec<OutMsg>) {
+        let small = msgs.iter().map(|m| m.payload.len()).sum::<usize>() <= DIRECT_LIMIT;
+        let idle = {
             let tx = self.tx.lock().expect("tx poisoned");
             tx.is_idle() && !tx.closed
         };
-        if !direct {
-            for a in acks {
-                self.transmit_one(st, a);
+        if !small || !idle || msgs.len() == 1 {
+            for m in msgs {
+                self.transmit_one(st, m);
             }
-            return self.transmit_one(st, m);
+            return;
         }
-        let mut bytes = Vec::with_capacity(m.payload.len() + 32 * (acks.len() + 1));
-        for mut a in acks {
-            Self::number(st, &mut a);
-            a.encode_into(&mut bytes, self.max_seg, self.neg.crc);
+        let mut bytes = Vec::with_capacity(msgs.iter().map(|m| m.payload.len() + 32).sum());
+        // Where each message ends in `bytes`, and what its last byte leaving means.
+        let mut ends = Vec::with_capacity(msgs.len());
+        for mut m in msgs {
+            Self::number(st, &mut m);
+            m.encode_into(&mut bytes, self.max_seg, self.neg.crc);
+            ends.push((bytes.len(), m.sent_seq, m.inbound));
         }
-        self.transmit_encoded(st, m, bytes);
+        let n = self.send_now(&bytes);
+        let mut sent = Vec::new();
+        {
+            let mut tx = self.tx.lock().expect("tx poisoned");
+            let mut start = 0;
+            for (end, seq, inbound) in ends {
+                if end <= n {
+                    sent.extend(seq);
+                } else {
+                    // The rest of each message, queued whole (the socket is full: its
+                    // writable edge brings progress back).
+                    tx.inbound += u32::from(inbound);
+                    tx.queue.push_back(Queued::Tail(
+                        bytes[start.max(n)..end].to_vec(),
+                        seq,
+                        inbound,
+                    ));
+                }
+                start = end;
+            }
+        }
+        for seq in sent {
+            self.mark_sent(st, seq);
+        }
+    }
+
+    /// One non-blocking `send` of `bytes`; how many the socket took (none on an error:
+    /// the receive side sees the broken stream and fails the endpoint).
+    fn send_now(&self, bytes: &[u8]) -> usize {
+        match socket2::SockRef::from(&self.sock)
+            .send_with_flags(bytes, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+        {
+            Ok(n) => n,
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    || e.kind() == io::ErrorKind::Interrupted =>
+            {
+                0
+            }
+            Err(e) => {
+                tracing::debug!(peer = %self.peer, "send failed: {e}");
+                0
+            }
+        }
     }
 
     /// Assigns an untagged message its MSN.
@@ -1017,37 +1095,16 @@ impl Conn {
     }
 
     /// Assigns the MSN and hands the message to the socket, or queues it behind others.
-    fn transmit_one(&self, st: &mut State, m: OutMsg) {
-        self.transmit_encoded(st, m, Vec::new());
-    }
-
-    /// [`Self::transmit_one`], with `prefix` (whole encoded FPDUs, numbered already) sent
-    /// ahead of the message in the same `send`; a non-empty prefix is only given when the
-    /// message is small and the transmit queue idle.
-    fn transmit_encoded(&self, st: &mut State, mut m: OutMsg, mut prefix: Vec<u8>) {
+    fn transmit_one(&self, st: &mut State, mut m: OutMsg) {
         Self::number(st, &mut m);
         let mut tx = self.tx.lock().expect("tx poisoned");
         if tx.closed {
             return;
         }
         if tx.is_idle() && m.payload.len() <= DIRECT_LIMIT {
-            m.encode_into(&mut prefix, self.max_seg, self.neg.crc);
-            let bytes = prefix;
-            let n = match socket2::SockRef::from(&self.sock)
-                .send_with_flags(&bytes, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
-            {
-                Ok(n) => n,
-                Err(e)
-                    if e.kind() == io::ErrorKind::WouldBlock
-                        || e.kind() == io::ErrorKind::Interrupted =>
-                {
-                    0
-                }
-                Err(e) => {
-                    tracing::debug!(peer = %self.peer, "send failed: {e}");
-                    0 // the receive side sees the broken stream and fails the endpoint
-                }
-            };
+            let mut bytes = Vec::new();
+            m.encode_into(&mut bytes, self.max_seg, self.neg.crc);
+            let n = self.send_now(&bytes);
             if n == bytes.len() {
                 drop(tx);
                 if let Some(seq) = m.sent_seq {
@@ -1060,9 +1117,6 @@ impl Conn {
                 .push_back(Queued::Tail(bytes[n..].to_vec(), m.sent_seq, m.inbound));
             // The socket is full: its writable edge brings progress back.
             return;
-        }
-        if !prefix.is_empty() {
-            tx.queue.push_back(Queued::Tail(prefix, None, false));
         }
         tx.inbound += u32::from(m.inbound);
         let inbound = m.inbound;
@@ -1109,7 +1163,7 @@ impl Conn {
         st.batching = false;
         let deferred = defer && st.acks_owed != [0; 2] && st.status == EndpointState::Connected;
         if !deferred {
-            self.transmit_owed_acks(st);
+            self.transmit_held(st);
         }
         for c in st.received.drain(..) {
             self.recv_cq.push(c);
@@ -1117,29 +1171,33 @@ impl Conn {
         deferred
     }
 
-    /// Transmits the acks owed, one per kind carrying the count (the wire's ack counts;
-    /// the peer credits that many operations in order).
-    fn transmit_owed_acks(&self, st: &mut State) {
-        for msg in Self::take_owed_acks(st) {
-            self.transmit_one(st, msg);
+    /// Transmits what is held back: the acks owed, one per kind carrying the count (the
+    /// wire's ack counts; the peer credits that many operations in order), and the
+    /// messages of requests posted with `SendFlags::MORE`, in one `send` when small.
+    fn transmit_held(&self, st: &mut State) {
+        let held = Self::take_held(st);
+        if !held.is_empty() {
+            self.transmit_all(st, held);
         }
     }
 
-    /// The ack messages owed (none when nothing is).
-    fn take_owed_acks(st: &mut State) -> Vec<OutMsg> {
-        let mut acks = Vec::new();
-        if st.acks_owed == [0; 2] {
-            return acks;
+    /// The messages held back: acks owed, then corked requests (none when nothing is).
+    fn take_held(st: &mut State) -> Vec<OutMsg> {
+        let mut held = Vec::new();
+        if st.acks_owed == [0; 2] && st.corked.is_empty() {
+            return held;
         }
         for (kind, flag) in [(0, 0), (1, ddp::ACK_MESSAGES)] {
             let mut n = std::mem::take(&mut st.acks_owed[kind]);
             while n > 0 {
                 let take = n.min(ddp::ACK_COUNT);
-                acks.push(ack_msg(flag | take));
+                held.push(ack_msg(flag | take));
                 n -= take;
             }
         }
-        acks
+        st.corked_bytes = 0;
+        held.append(&mut st.corked);
+        held
     }
 
     fn transmit_ack(&self, st: &mut State, ulp: u32) {
@@ -1303,6 +1361,8 @@ impl Conn {
             p.error = Some(head.take().unwrap_or((ErrorKind::Flushed, None)));
         }
         st.backlog.clear();
+        st.corked.clear();
+        st.corked_bytes = 0;
         st.read_sinks.clear();
         self.drain_sq(st);
         let placing = st.placing.take();
