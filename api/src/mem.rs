@@ -624,6 +624,53 @@ impl Buffer {
     }
 }
 
+impl Buffer {
+    /// [`recv_into`](Self::recv_into), and what the socket holds beyond those `len` bytes,
+    /// up to `spill.len()` more, into `spill` in the same `recvmsg(2)`: a framed stream's
+    /// payload goes straight into the buffer and the next frame's header into the caller's
+    /// bytes, one system call per frame. Returns the total received: bytes past `len` are
+    /// in `spill[..total - len]`.
+    pub fn recv_into_spill(
+        &self,
+        fd: BorrowedFd<'_>,
+        offset: usize,
+        len: usize,
+        spill: &mut [u8],
+        flags: i32,
+    ) -> io::Result<usize> {
+        self.check_range(offset, len)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        let mut iov = [
+            libc::iovec {
+                // SAFETY: the range is inside the allocation (checked just above).
+                iov_base: unsafe { self.ptr.as_ptr().add(offset) }.cast(),
+                iov_len: len,
+            },
+            libc::iovec {
+                iov_base: spill.as_mut_ptr().cast(),
+                iov_len: spill.len(),
+            },
+        ];
+        // SAFETY: an all-zero msghdr is a valid empty header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = iov.len() as _;
+        loop {
+            // SAFETY: the first iovec is a checked range of this buffer, which stays
+            // allocated for the call (`&self`) and which the kernel writes as a DMA engine
+            // would (module docs); the second is `spill`, borrowed mutably for the call.
+            let n = unsafe { libc::recvmsg(fd.as_raw_fd(), &mut msg, flags) };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}
+
 /// One piece of a gather list handed to the kernel by [`send_gather`].
 #[derive(Debug, Clone, Copy)]
 pub enum IoPiece<'a> {
@@ -994,6 +1041,20 @@ mod tests {
         assert_eq!(b.recv_into(c.as_fd(), 6, 2, 0).unwrap(), 2);
         assert_eq!(b.to_vec(0, 8), b"123456zz");
         assert!(b.recv_into(c.as_fd(), 7, 2, 0).is_err());
+        // The payload into the buffer, the next frame's header into the spill bytes, the
+        // rest left in the socket.
+        a.write_all(b"PQRSthe-next-frame").unwrap();
+        let mut spill = [0u8; 8];
+        assert_eq!(
+            b.recv_into_spill(c.as_fd(), 2, 4, &mut spill, 0).unwrap(),
+            12
+        );
+        assert_eq!(b.to_vec(0, 8), b"12PQRSzz");
+        assert_eq!(&spill, b"the-next");
+        let mut rest = [0u8; 6];
+        (&c).read_exact(&mut rest).unwrap();
+        assert_eq!(&rest, b"-frame");
+        assert!(b.recv_into_spill(c.as_fd(), 6, 4, &mut spill, 0).is_err());
     }
 
     #[test]

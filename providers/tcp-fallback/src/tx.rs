@@ -341,18 +341,58 @@ impl TxQueue {
                     let (fpdu, written) = self
                         .current
                         .get_or_insert_with(|| (m.fpdu_at(0, max_seg, crc), 0));
-                    match write_fpdu(sock, m, fpdu, *written, crc) {
-                        Ok(n) => {
-                            *written += n;
-                            if *written < fpdu.len() {
+                    // The FPDUs after it go in the same `sendmsg` (without CRC: no staging),
+                    // up to GATHER_FPDUS in all.
+                    let mut followers = Vec::new();
+                    if !crc {
+                        let mut last = fpdu.last;
+                        let mut at = fpdu.off + fpdu.seg;
+                        while !last && followers.len() + 1 < GATHER_FPDUS {
+                            let f = m.fpdu_at(at, max_seg, crc);
+                            (at, last) = (f.off + f.seg, f.last);
+                            followers.push(f);
+                        }
+                    }
+                    match write_fpdus(sock, m, fpdu, *written, &followers, crc) {
+                        Ok(mut n) => {
+                            let left = fpdu.len() - *written;
+                            if n < left {
+                                *written += n;
                                 Ok(false)
                             } else if fpdu.last {
                                 self.current = None;
                                 Ok(true)
                             } else {
-                                let next = m.fpdu_at(fpdu.off + fpdu.seg, max_seg, crc);
-                                self.current = Some((next, 0));
-                                continue;
+                                n -= left;
+                                let mut next = None;
+                                for f in followers {
+                                    if n < f.len() {
+                                        next = Some((f, n));
+                                        break;
+                                    }
+                                    n -= f.len();
+                                    if f.last {
+                                        next = None;
+                                        break;
+                                    }
+                                    next = Some((m.fpdu_at(f.off + f.seg, max_seg, crc), 0));
+                                }
+                                match next {
+                                    // The whole message went out (its last FPDU).
+                                    None => {
+                                        self.current = None;
+                                        Ok(true)
+                                    }
+                                    Some((f, done)) => {
+                                        let partial = done > 0;
+                                        self.current = Some((f, done));
+                                        if partial {
+                                            Ok(false) // the socket is full
+                                        } else {
+                                            continue;
+                                        }
+                                    }
+                                }
                             }
                         }
                         Err(e) => Err(e),
@@ -384,17 +424,52 @@ impl TxQueue {
     }
 }
 
-/// Writes what it can of `fpdu` (from byte `written` on) without blocking. Without CRC
-/// the kernel reads the payload straight from registered memory; with CRC it is staged
-/// once, so the CRC covers exactly the bytes that are sent.
-fn write_fpdu(
+/// FPDUs of one message handed to the kernel in one `sendmsg` (without CRC).
+const GATHER_FPDUS: usize = 4;
+
+/// Writes what it can of `fpdu` (from byte `written` on), and of the `followers` after it,
+/// without blocking. Without CRC the kernel reads the payload straight from registered
+/// memory; with CRC it is staged once, so the CRC covers exactly the bytes that are sent
+/// (and there are no followers).
+fn write_fpdus(
     sock: &TcpStream,
     m: &OutMsg,
     fpdu: &mut Fpdu,
     written: usize,
+    followers: &[Fpdu],
     crc: bool,
 ) -> std::io::Result<usize> {
-    let mut pieces = Vec::with_capacity(4);
+    let mut pieces = Vec::with_capacity(4 * (1 + followers.len()));
+    push_pieces(&mut pieces, m, fpdu, crc);
+    for f in followers {
+        let before = pieces.len();
+        pieces.push(IoPiece::Bytes(&f.head));
+        match &m.payload {
+            Payload::Inline(v) => pieces.push(IoPiece::Bytes(&v[f.off..f.off + f.seg])),
+            Payload::Memory(_) => {
+                m.payload
+                    .for_each_range(f.off, f.seg, &mut |buffer, offset, len| {
+                        pieces.push(IoPiece::Buffer {
+                            buffer,
+                            offset,
+                            len,
+                        })
+                    })
+            }
+        }
+        pieces.push(IoPiece::Bytes(&f.trailer[..f.trailer_len]));
+        if pieces.len() > fabric_api::mem::MAX_IO_PIECES {
+            // Only whole FPDUs ride along.
+            pieces.truncate(before);
+            break;
+        }
+    }
+    send_gather(sock.as_fd(), &pieces, written, libc::MSG_DONTWAIT)
+}
+
+/// The gather list of one FPDU (its payload staged when the CRC needs it, or when the
+/// payload's pieces would not fit one `sendmsg`).
+fn push_pieces<'a>(pieces: &mut Vec<IoPiece<'a>>, m: &'a OutMsg, fpdu: &'a mut Fpdu, crc: bool) {
     pieces.push(IoPiece::Bytes(&fpdu.head));
     match &m.payload {
         Payload::Inline(v) => pieces.push(IoPiece::Bytes(&v[fpdu.off..fpdu.off + fpdu.seg])),
@@ -419,5 +494,96 @@ fn write_fpdu(
         }
     }
     pieces.push(IoPiece::Bytes(&fpdu.trailer[..fpdu.trailer_len]));
-    send_gather(sock.as_fd(), &pieces, written, libc::MSG_DONTWAIT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::ddp::{opcode, TAGGED_LEN};
+    use std::io::Read;
+
+    /// A multi-FPDU message written through a small send buffer (so `sendmsg` takes part
+    /// of an FPDU, whole FPDUs, or an FPDU and part of the next): the stream holds exactly
+    /// its FPDUs, in order, each with its header, payload, pad and trailer, then the next
+    /// message.
+    #[test]
+    fn gathered_fpdus_survive_partial_writes() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let tx_sock = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut rx_sock, _) = listener.accept().unwrap();
+        socket2::SockRef::from(&tx_sock)
+            .set_send_buffer_size(8192)
+            .unwrap();
+        tx_sock.set_nonblocking(true).unwrap();
+        let len = 5 * 1000 + 333;
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        let buf = Arc::new(Buffer::from_slice(&data));
+        let max_seg = 1000;
+        let mut q = TxQueue::default();
+        q.queue.push_back(Queued::Msg(OutMsg {
+            kind: Kind::Tagged {
+                opcode: opcode::WRITE,
+                stag: 0x1234,
+                to: 1 << 20,
+            },
+            payload: Payload::Memory(vec![(buf.clone(), 0, 2500), (buf, 2500, len - 2500)]),
+            sent_seq: Some(7),
+            inbound: false,
+        }));
+        q.queue.push_back(Queued::Msg(OutMsg {
+            kind: Kind::Tagged {
+                opcode: opcode::WRITE,
+                stag: 0x5678,
+                to: 0,
+            },
+            payload: Payload::Inline(b"tail".to_vec()),
+            sent_seq: Some(8),
+            inbound: false,
+        }));
+        let reader = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            let mut chunk = [0u8; 1500];
+            loop {
+                let n = rx_sock.read(&mut chunk).unwrap();
+                if n == 0 {
+                    return got;
+                }
+                got.extend_from_slice(&chunk[..n]);
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+        });
+        let mut sent = Vec::new();
+        while !q.is_idle() {
+            let done = q.flush(&tx_sock, max_seg, false);
+            assert!(done.error.is_none());
+            sent.extend(done.sent);
+            std::thread::yield_now();
+        }
+        assert_eq!(sent, [7, 8]);
+        drop(tx_sock);
+        let stream = reader.join().unwrap();
+        // Decode: MPA length, tagged header, payload, pad, CRC word.
+        let mut at = 0;
+        let mut placed = Vec::new();
+        let mut lasts = Vec::new();
+        while at < stream.len() {
+            let ulpdu = usize::from(u16::from_be_bytes([stream[at], stream[at + 1]]));
+            let h = Header::decode(&stream[at + 2..at + 2 + TAGGED_LEN]).unwrap();
+            let Header::Tagged { stag, to, last, .. } = h else {
+                panic!("not tagged: {h:?}")
+            };
+            let payload = &stream[at + 2 + TAGGED_LEN..at + 2 + ulpdu];
+            if stag == 0x1234 {
+                assert_eq!(to, (1 << 20) + placed.len() as u64, "tagged offset");
+                placed.extend_from_slice(payload);
+            } else {
+                assert_eq!((stag, payload), (0x5678, &b"tail"[..]));
+            }
+            lasts.push(last);
+            at += 2 + ulpdu + mpa::pad_len(ulpdu) + 4;
+        }
+        assert_eq!(at, stream.len(), "the stream ends on an FPDU boundary");
+        assert_eq!(placed, data, "the payload arrived whole and in order");
+        assert_eq!(lasts, [false, false, false, false, false, true, true]);
+    }
 }

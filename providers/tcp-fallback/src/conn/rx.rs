@@ -416,10 +416,18 @@ impl Conn {
                     ),
                 )
             })?;
-        match t
-            .buffer
-            .recv_into(self.sock.as_fd(), t.offset, d.left, libc::MSG_DONTWAIT)
-        {
+        // The FPDU's trailer and the next FPDU's length and tagged header come in the same
+        // `recvmsg`, into the (empty) staging buffer: the next write's payload stays in the
+        // socket for its own direct placement, one system call per FPDU.
+        debug_assert_eq!((rx.start, rx.end), (0, 0));
+        let spill = (rx.skip + 2 + ddp::TAGGED_LEN).min(rx.buf.len());
+        match t.buffer.recv_into_spill(
+            self.sock.as_fd(),
+            t.offset,
+            d.left,
+            &mut rx.buf[..spill],
+            libc::MSG_DONTWAIT,
+        ) {
             Ok(0) => Err(violation(
                 term::STREAM_LOST,
                 format!(
@@ -429,6 +437,9 @@ impl Conn {
                 ),
             )),
             Ok(n) => {
+                let beyond = n.saturating_sub(d.left);
+                let n = n - beyond;
+                rx.end = beyond;
                 d.to += n as u64;
                 d.left -= n;
                 if d.left == 0 {
