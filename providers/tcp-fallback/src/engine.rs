@@ -34,7 +34,7 @@
 //! application's next message on that connection and leaves in the same `send` (a
 //! ping-pong then costs one system call and one segment per message instead of two). The
 //! connection is noted in the poll sets of both its completion queues and of the domain
-//! ([`PollSet::note_held`]), so the ack leaves at the latest at the application's next
+//! (`PollSet::note_held`), so the ack leaves at the latest at the application's next
 //! poll, wait or arm on either queue, or, once it stops polling, from the progress thread
 //! within `HANDOFF` (which never sleeps without a limit while a note is pending). Passes of
 //! the progress thread, a close or a drain send acks before the completions, as before.
