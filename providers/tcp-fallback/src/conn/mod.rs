@@ -259,6 +259,8 @@ pub(crate) struct Conn {
     graceful: AtomicBool,
     /// An event reported the peer's FIN, a reset or an error ([`Conn::hung_up`]).
     hangup: AtomicBool,
+    /// How far the socket was shut down: 0 not, 1 for writing, 2 both ways.
+    shut: std::sync::atomic::AtomicU8,
     /// We may send: false only while we are the responder of a connection with credits
     /// and the initiator's first FPDU has not arrived. An MPA responder must not send
     /// before that (siw's initiator reads the MPA Reply with a look-ahead and fails the
@@ -338,6 +340,7 @@ impl Conn {
             heard: AtomicBool::new(heard),
             graceful: AtomicBool::new(false),
             hangup: AtomicBool::new(false),
+            shut: std::sync::atomic::AtomicU8::new(0),
             token: crate::engine::next_token(),
             engine,
             ep_context,
@@ -503,12 +506,15 @@ impl Conn {
     /// the peer has not read yet). After a failure both sides shut: a peer that goes on
     /// sending gets a reset.
     fn shutdown(&self) {
-        let how = if self.graceful.load(AtomicOrdering::SeqCst) {
-            Shutdown::Write
+        let (how, level) = if self.graceful.load(AtomicOrdering::SeqCst) {
+            (Shutdown::Write, 1)
         } else {
-            Shutdown::Both
+            (Shutdown::Both, 2)
         };
-        let _ = self.sock.shutdown(how);
+        // Once per level: progress passes over a finished connection come here each time.
+        if self.shut.fetch_max(level, AtomicOrdering::SeqCst) < level {
+            let _ = self.sock.shutdown(how);
+        }
     }
 
     /// Once the connection is over and its last output (a Terminate) is out, the socket
