@@ -101,6 +101,30 @@ pub struct CollArgs {
     /// Microseconds a rank polls before it sleeps while waiting (RdmConfig::busy_poll).
     #[arg(long, default_value_t = 100)]
     busy_poll_us: u64,
+    /// Microseconds a rank inside a collective polls without sleeping, yielding the core
+    /// between polls (CommConfig::spin; default: the communicator's).
+    #[arg(long)]
+    spin_us: Option<u64>,
+    /// Large allreduce: `write` (segments RDMA-written into the next rank's buffer, where
+    /// the provider has RDMA Write) or `tagged` (the ring of tagged messages).
+    #[arg(long, value_enum, default_value_t = Ring::Write)]
+    ring: Ring,
+    /// Segment of the write ring, in bytes (K, M: powers of 1024).
+    #[arg(long)]
+    write_segment: Option<String>,
+    /// Largest allreduce payload that uses recursive doubling instead of the ring
+    /// (CommConfig::small_max; K, M: powers of 1024).
+    #[arg(long)]
+    small_max: Option<String>,
+}
+
+/// The large allreduce's ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Ring {
+    /// RDMA Write into the next rank's buffer, then a tagged notification.
+    Write,
+    /// Tagged messages (rendezvous above the eager threshold).
+    Tagged,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -279,7 +303,20 @@ fn rank_main(
         Duration::from_secs(60),
     )
     .map_err(e)?;
-    let mut comm = Comm::new(domain, ep, rank, &names, CommConfig::default()).map_err(e)?;
+    let mut cfg = CommConfig {
+        write_ring: a.ring == Ring::Write,
+        ..CommConfig::default()
+    };
+    if let Some(us) = a.spin_us {
+        cfg.spin = Duration::from_micros(us);
+    }
+    if let Some(s) = &a.write_segment {
+        cfg.write_segment = parse_size(s)?;
+    }
+    if let Some(s) = &a.small_max {
+        cfg.small_max = parse_size(s)?;
+    }
+    let mut comm = Comm::new(domain, ep, rank, &names, cfg).map_err(e)?;
     if coll == Coll::Broadcast && a.root >= n {
         return Err(format!("--root {} of {n} ranks", a.root));
     }
