@@ -98,6 +98,10 @@ pub struct CollArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = OutFormat::Text)]
     format: OutFormat,
+    /// Largest message sent eagerly (RdmConfig::eager_max; K: powers of 1024); larger ones
+    /// use the rendezvous protocol.
+    #[arg(long)]
+    eager_max: Option<String>,
     /// Microseconds a rank polls before it sleeps while waiting (RdmConfig::busy_poll).
     #[arg(long, default_value_t = 100)]
     busy_poll_us: u64,
@@ -112,6 +116,10 @@ pub struct CollArgs {
     /// Segment of the write ring, in bytes (K, M: powers of 1024).
     #[arg(long)]
     write_segment: Option<String>,
+    /// Small transfers as one rendezvous message, not eager segments
+    /// (CommConfig::small_eager false).
+    #[arg(long)]
+    no_small_eager: bool,
     /// Largest allreduce payload that uses recursive doubling instead of the ring
     /// (CommConfig::small_max; K, M: powers of 1024).
     #[arg(long)]
@@ -288,6 +296,10 @@ fn rank_main(
         RdmConfig {
             bind: SocketAddr::new(a.bind, 0),
             busy_poll: Duration::from_micros(a.busy_poll_us),
+            eager_max: match &a.eager_max {
+                Some(s) => parse_size(s)?,
+                None => RdmConfig::default().eager_max,
+            },
             ..RdmConfig::default()
         },
     )
@@ -305,6 +317,7 @@ fn rank_main(
     .map_err(e)?;
     let mut cfg = CommConfig {
         write_ring: a.ring == Ring::Write,
+        small_eager: !a.no_small_eager,
         ..CommConfig::default()
     };
     if let Some(us) = a.spin_us {

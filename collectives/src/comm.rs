@@ -64,6 +64,10 @@ pub struct CommConfig {
     pub write_segment: usize,
     /// Writes the write ring keeps in flight to the next rank.
     pub write_window: usize,
+    /// Transfers up to [`CommConfig::small_max`] go as eager messages of at most the
+    /// endpoint's `RdmConfig::eager_max` each (false: one message per
+    /// [`CommConfig::segment`], a rendezvous above the eager size).
+    pub small_eager: bool,
 }
 
 impl Default for CommConfig {
@@ -78,6 +82,7 @@ impl Default for CommConfig {
             write_ring: true,
             write_segment: 1 << 20,
             write_window: 48,
+            small_eager: true,
         }
     }
 }
@@ -99,6 +104,8 @@ pub struct Comm {
     polled: Vec<RdmCompletion>,
     /// The write ring's buffers (made on the first large allreduce).
     ring: Option<WriteRing>,
+    /// The endpoint's eager size.
+    eager_max: usize,
 }
 
 /// The write ring's registered buffers on this rank and where they are on the next one.
@@ -138,6 +145,7 @@ impl Comm {
         let access = Access::LOCAL_WRITE | Access::REMOTE_READ;
         let sbuf = domain.alloc(4096, access)?;
         let rbuf = Arc::new(domain.alloc(4096, access)?);
+        let eager_max = ep.eager_max();
         Ok(Comm {
             ep,
             domain,
@@ -150,6 +158,7 @@ impl Comm {
             ready: VecDeque::new(),
             polled: Vec::new(),
             ring: None,
+            eager_max,
         })
     }
 
@@ -230,8 +239,17 @@ impl Comm {
     }
 
     /// Segment size for a transfer of `len` bytes (at most 256 segments).
+    ///
+    /// A small transfer (up to [`CommConfig::small_max`], latency-bound) goes in segments
+    /// of the endpoint's eager size when [`CommConfig::small_eager`] is set: all in flight
+    /// at once, none waiting for a rendezvous' round trips.
     fn segment(&self, len: usize) -> usize {
-        self.cfg.segment.max(1).max(len.div_ceil(256))
+        let seg = if self.cfg.small_eager && len <= self.cfg.small_max {
+            self.eager_max
+        } else {
+            self.cfg.segment
+        };
+        seg.max(1).max(len.div_ceil(256))
     }
 
     /// Posts one step in segments (receives first, then sends, from a registered copy of
