@@ -116,10 +116,10 @@ pub struct CollArgs {
     /// Segment of the write ring, in bytes (K, M: powers of 1024).
     #[arg(long)]
     write_segment: Option<String>,
-    /// Small transfers as one rendezvous message, not eager segments
-    /// (CommConfig::small_eager false).
+    /// Transfers up to this size go as eager pieces, all in flight, not one rendezvous
+    /// message (CommConfig::eager_pieces_max; K: powers of 1024; 0: never).
     #[arg(long)]
-    no_small_eager: bool,
+    eager_pieces_max: Option<String>,
     /// Largest allreduce payload that uses recursive doubling instead of the ring
     /// (CommConfig::small_max; K, M: powers of 1024).
     #[arg(long)]
@@ -317,7 +317,6 @@ fn rank_main(
     .map_err(e)?;
     let mut cfg = CommConfig {
         write_ring: a.ring == Ring::Write,
-        small_eager: !a.no_small_eager,
         ..CommConfig::default()
     };
     if let Some(us) = a.spin_us {
@@ -325,6 +324,9 @@ fn rank_main(
     }
     if let Some(s) = &a.write_segment {
         cfg.write_segment = parse_size(s)?;
+    }
+    if let Some(s) = &a.eager_pieces_max {
+        cfg.eager_pieces_max = parse_size(s)?;
     }
     if let Some(s) = &a.small_max {
         cfg.small_max = parse_size(s)?;
