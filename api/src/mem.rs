@@ -496,15 +496,27 @@ impl Buffer {
     /// Panics when out of bounds.
     pub fn read(&self, offset: usize, dst: &mut [u8]) {
         self.check(offset, dst.len());
-        let mut at = offset;
+        let (mut i, skip) = (offset / WORD, offset % WORD);
         let mut out = dst;
-        while !out.is_empty() {
-            let (i, skip) = (at / WORD, at % WORD);
+        // A partial first word.
+        if skip != 0 && !out.is_empty() {
             let take = (WORD - skip).min(out.len());
             let w = self.word(i).load(Ordering::Relaxed).to_ne_bytes();
             out[..take].copy_from_slice(&w[skip..skip + take]);
             out = &mut out[take..];
-            at += take;
+            i += 1;
+        }
+        // Whole words: one load and one 8-byte store each (no copy call per word).
+        let mut words = out.chunks_exact_mut(WORD);
+        for c in &mut words {
+            c.copy_from_slice(&self.word(i).load(Ordering::Relaxed).to_ne_bytes());
+            i += 1;
+        }
+        // A partial last word.
+        let rest = words.into_remainder();
+        if !rest.is_empty() {
+            let w = self.word(i).load(Ordering::Relaxed).to_ne_bytes();
+            rest.copy_from_slice(&w[..rest.len()]);
         }
     }
 
@@ -512,26 +524,35 @@ impl Buffer {
     /// merged with compare-and-swap). Panics when out of bounds.
     pub fn write(&self, offset: usize, src: &[u8]) {
         self.check(offset, src.len());
-        let mut at = offset;
-        let mut rest = src;
-        while !rest.is_empty() {
-            let (i, skip) = (at / WORD, at % WORD);
-            let take = (WORD - skip).min(rest.len());
-            let word = self.word(i);
-            if take == WORD {
-                let v = u64::from_ne_bytes(rest[..WORD].try_into().expect("8 bytes"));
-                word.store(v, Ordering::Relaxed);
-            } else {
-                let part = &rest[..take];
-                // The closure always returns Some: fetch_update cannot fail.
-                let _ = word.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
+        // A partial word is merged with compare-and-swap.
+        let merge = |i: usize, skip: usize, part: &[u8]| {
+            // The closure always returns Some: fetch_update cannot fail.
+            let _ = self
+                .word(i)
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
                     let mut b = old.to_ne_bytes();
-                    b[skip..skip + take].copy_from_slice(part);
+                    b[skip..skip + part.len()].copy_from_slice(part);
                     Some(u64::from_ne_bytes(b))
                 });
-            }
+        };
+        let (mut i, skip) = (offset / WORD, offset % WORD);
+        let mut rest = src;
+        if skip != 0 && !rest.is_empty() {
+            let take = (WORD - skip).min(rest.len());
+            merge(i, skip, &rest[..take]);
             rest = &rest[take..];
-            at += take;
+            i += 1;
+        }
+        // Whole words: one 8-byte load and one store each.
+        let mut words = rest.chunks_exact(WORD);
+        for c in &mut words {
+            let v = u64::from_ne_bytes(c.try_into().expect("8 bytes"));
+            self.word(i).store(v, Ordering::Relaxed);
+            i += 1;
+        }
+        let tail = words.remainder();
+        if !tail.is_empty() {
+            merge(i, 0, tail);
         }
     }
 
@@ -961,6 +982,23 @@ mod tests {
         assert_eq!(mid, [3, 4, 5, 6, 7]);
         b.write(64, &[]);
         b.read(64, &mut []);
+    }
+
+    #[test]
+    fn copies_at_every_offset_and_length_match_a_byte_model() {
+        let b = Buffer::new(64);
+        let mut model = [0u8; 64];
+        for off in 0..24 {
+            for len in 0..=40 {
+                let src: Vec<u8> = (0..len).map(|i| (off * 41 + i * 7 + 1) as u8).collect();
+                b.write(off, &src);
+                model[off..off + len].copy_from_slice(&src);
+                assert_eq!(b.to_vec(0, 64), model, "write at {off}+{len}");
+                let mut got = vec![0u8; len];
+                b.read(off, &mut got);
+                assert_eq!(got, &model[off..off + len], "read at {off}+{len}");
+            }
+        }
     }
 
     #[test]

@@ -98,9 +98,41 @@ pub struct CollArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = OutFormat::Text)]
     format: OutFormat,
+    /// Largest message sent eagerly (RdmConfig::eager_max; K: powers of 1024); larger ones
+    /// use the rendezvous protocol.
+    #[arg(long)]
+    eager_max: Option<String>,
     /// Microseconds a rank polls before it sleeps while waiting (RdmConfig::busy_poll).
     #[arg(long, default_value_t = 100)]
     busy_poll_us: u64,
+    /// Microseconds a rank inside a collective polls without sleeping, yielding the core
+    /// between polls (CommConfig::spin; default: the communicator's).
+    #[arg(long)]
+    spin_us: Option<u64>,
+    /// Large allreduce: `write` (segments RDMA-written into the next rank's buffer, where
+    /// the provider has RDMA Write) or `tagged` (the ring of tagged messages).
+    #[arg(long, value_enum, default_value_t = Ring::Write)]
+    ring: Ring,
+    /// Segment of the write ring, in bytes (K, M: powers of 1024).
+    #[arg(long)]
+    write_segment: Option<String>,
+    /// Transfers up to this size go as eager pieces, all in flight, not one rendezvous
+    /// message (CommConfig::eager_pieces_max; K: powers of 1024; 0: never).
+    #[arg(long)]
+    eager_pieces_max: Option<String>,
+    /// Largest allreduce payload that uses recursive doubling instead of the ring
+    /// (CommConfig::small_max; K, M: powers of 1024).
+    #[arg(long)]
+    small_max: Option<String>,
+}
+
+/// The large allreduce's ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Ring {
+    /// RDMA Write into the next rank's buffer, then a tagged notification.
+    Write,
+    /// Tagged messages (rendezvous above the eager threshold).
+    Tagged,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -264,6 +296,10 @@ fn rank_main(
         RdmConfig {
             bind: SocketAddr::new(a.bind, 0),
             busy_poll: Duration::from_micros(a.busy_poll_us),
+            eager_max: match &a.eager_max {
+                Some(s) => parse_size(s)?,
+                None => RdmConfig::default().eager_max,
+            },
             ..RdmConfig::default()
         },
     )
@@ -279,7 +315,23 @@ fn rank_main(
         Duration::from_secs(60),
     )
     .map_err(e)?;
-    let mut comm = Comm::new(domain, ep, rank, &names, CommConfig::default()).map_err(e)?;
+    let mut cfg = CommConfig {
+        write_ring: a.ring == Ring::Write,
+        ..CommConfig::default()
+    };
+    if let Some(us) = a.spin_us {
+        cfg.spin = Duration::from_micros(us);
+    }
+    if let Some(s) = &a.write_segment {
+        cfg.write_segment = parse_size(s)?;
+    }
+    if let Some(s) = &a.eager_pieces_max {
+        cfg.eager_pieces_max = parse_size(s)?;
+    }
+    if let Some(s) = &a.small_max {
+        cfg.small_max = parse_size(s)?;
+    }
+    let mut comm = Comm::new(domain, ep, rank, &names, cfg).map_err(e)?;
     if coll == Coll::Broadcast && a.root >= n {
         return Err(format!("--root {} of {n} ranks", a.root));
     }

@@ -6,6 +6,19 @@ use fabric_collectives::{Comm, CommConfig, DataType, ReduceOp};
 use fabric_rdm::{RdmConfig, RdmEndpoint};
 
 fn run<R: Send + 'static>(n: usize, f: impl Fn(&mut Comm) -> R + Send + Sync + 'static) -> Vec<R> {
+    // Small segments: large transfers go in many messages.
+    let cfg = CommConfig {
+        segment: 8192,
+        ..CommConfig::default()
+    };
+    run_with(n, cfg, f)
+}
+
+fn run_with<R: Send + 'static>(
+    n: usize,
+    cfg: CommConfig,
+    f: impl Fn(&mut Comm) -> R + Send + Sync + 'static,
+) -> Vec<R> {
     let mut eps = Vec::new();
     for _ in 0..n {
         let (d, _) = fabric::Selector::new()
@@ -24,11 +37,6 @@ fn run<R: Send + 'static>(n: usize, f: impl Fn(&mut Comm) -> R + Send + Sync + '
         .map(|(r, (d, ep))| {
             let (names, f) = (names.clone(), f.clone());
             std::thread::spawn(move || {
-                // Small segments: large transfers go in many messages.
-                let cfg = CommConfig {
-                    segment: 8192,
-                    ..CommConfig::default()
-                };
                 let mut c = Comm::new(d, ep, r, &names, cfg).expect("comm");
                 f(&mut c)
             })
@@ -105,6 +113,60 @@ fn float_results_are_bit_identical_on_every_rank() {
         });
         for r in &out[1..] {
             assert_eq!(r, &out[0], "rank results differ in their bits (n {n})");
+        }
+    }
+}
+
+/// The write ring (many small segments, a small window, blocks of uneven length, buffers
+/// that grow between calls, calls back to back) gives the same bits as the ring of tagged
+/// messages, on every rank.
+#[test]
+fn write_ring_matches_the_tagged_ring_bit_for_bit() {
+    let floats = |rank: usize, count: usize, call: usize| -> Vec<f32> {
+        (0..count)
+            .map(|i| ((rank + 1) as f32).powi(7) * 1.000_1f32.powi((i + call) as i32 % 50) / 3.0)
+            .collect()
+    };
+    for n in [2usize, 3, 4, 5] {
+        let counts = [20_000usize, 20_003, 100_001, 70_000];
+        let results: Vec<Vec<Vec<Vec<u32>>>> = [false, true]
+            .into_iter()
+            .map(|write_ring| {
+                let cfg = CommConfig {
+                    segment: 8192,
+                    write_ring,
+                    write_segment: 4096,
+                    write_window: 3,
+                    ..CommConfig::default()
+                };
+                run_with(n, cfg, move |c| {
+                    let mut out = Vec::new();
+                    for (call, &count) in counts.iter().enumerate() {
+                        for rep in 0..2 {
+                            let mut f = floats(c.rank(), count, call + rep);
+                            c.allreduce(&mut f, ReduceOp::Sum).unwrap();
+                            out.push(f.iter().map(|x| x.to_bits()).collect());
+                        }
+                    }
+                    out
+                })
+            })
+            .collect();
+        let (tagged, write) = (&results[0], &results[1]);
+        for r in 0..n {
+            assert_eq!(write[r], write[0], "write ring: ranks differ (n {n})");
+            assert_eq!(write[r], tagged[r], "write ring != tagged ring (n {n})");
+        }
+        // And the sums are right (exact in f64 terms up to f32 rounding).
+        let mut i32s = run_with(n, CommConfig::default(), move |c| {
+            let mut v: Vec<i32> = (0..100_003).map(|i| value(c.rank(), i) as i32).collect();
+            c.allreduce(&mut v, ReduceOp::Max).unwrap();
+            v
+        });
+        let got = i32s.pop().unwrap();
+        for (i, x) in got.iter().enumerate() {
+            let want = (0..n).map(|r| value(r, i)).max().unwrap();
+            assert_eq!(*x as i64, want, "n {n} max [{i}]");
         }
     }
 }

@@ -588,6 +588,12 @@ impl RdmEndpoint {
         encode_name(self.addr, self.nonce)
     }
 
+    /// The largest message sent eagerly ([`RdmConfig::eager_max`]); larger ones take the
+    /// rendezvous protocol.
+    pub fn eager_max(&self) -> usize {
+        lock(&self.inner).cfg.eager_max
+    }
+
     /// The address peers connect to.
     pub fn addr(&self) -> SocketAddr {
         self.addr
