@@ -71,7 +71,6 @@
 //! RDMA-Writing [`Announcement`] at [`pdata::area::EMU_OF_PEER`] of the iwarp provider's
 //! credit area, before its hello mark.
 
-
 use std::sync::atomic::Ordering;
 
 use crate::{pdata, Buffer, ErrorKind};
@@ -447,10 +446,7 @@ mod tests {
             stag: 0xabcd_ef01,
         };
         assert_eq!(ExtDesc::decode(&d.encode()), Some(d));
-        let mut raw = pdata::frame(
-            b"app",
-            Some(pdata::AreaDesc { addr: 1, stag: 2 }),
-        );
+        let mut raw = pdata::frame(b"app", Some(pdata::AreaDesc { addr: 1, stag: 2 }));
         assert_eq!(ExtDesc::find(&raw, 3), None, "no trailer: no emulation");
         raw.extend_from_slice(&d.encode());
         assert_eq!(ExtDesc::find(&raw, 3), Some(d));

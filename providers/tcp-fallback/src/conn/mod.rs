@@ -30,6 +30,7 @@ use fabric_api::{
 
 use crate::cq::TcpCq;
 use crate::credit::{credit_allows, LocalArea};
+use crate::emu::{Announcement, LocalEmu};
 use crate::engine::Engine;
 use crate::keys::{random_u32, KeyTable};
 use crate::tx::{Kind, OutMsg, Payload, Queued, TxQueue};
@@ -37,6 +38,7 @@ use crate::wire::ddp::{
     self, atomic_op, opcode, qn, term, AtomicRequest, AtomicResponse, ReadRequest, Terminate,
 };
 use crate::wire::mpa::features;
+use fabric_api::emu_wire::{self, AmoOp, AmoReq, ExtDesc, ImmRec};
 
 use rx::{violation, Rx, RxEnd};
 
@@ -77,6 +79,11 @@ pub(crate) struct Negotiated {
     /// (our reply's frame named it, or, as the initiator, we name it first thing): then
     /// the connection runs the iwarp provider's credit protocol ([`crate::credit`]).
     pub area: Option<Arc<LocalArea>>,
+    /// Our emulation area, with a peer on this framework's iwarp provider that offered the
+    /// emulation of atomics and immediate data ([`crate::emu`]).
+    pub emu: Option<Arc<LocalEmu>>,
+    /// That peer's emulation area (its trailer).
+    pub peer_emu: Option<ExtDesc>,
     /// We initiated the connection (a peer on the iwarp provider then has early receives
     /// posted, which our filler sends consume: see [`EARLY_FILLERS`]).
     pub initiator: bool,
@@ -97,6 +104,13 @@ impl Negotiated {
     /// Our credit area and the peer's, when the connection runs credits.
     fn credits(&self) -> Option<(&LocalArea, pdata::AreaDesc)> {
         Some((self.area.as_deref()?, self.peer_area?))
+    }
+
+    /// Our emulation area and the peer's, when the connection speaks the iwarp provider's
+    /// emulation of atomics and immediate data (it needs the credit protocol too).
+    pub fn emu(&self) -> Option<(&LocalEmu, ExtDesc)> {
+        self.credits()?;
+        Some((self.emu.as_deref()?, self.peer_emu?))
     }
 
     /// Sends wait for the peer's receives: by credits (the iwarp provider), or because
@@ -123,6 +137,9 @@ enum Resp {
         result: Arc<Buffer>,
         offset: usize,
     },
+    /// The reply to our emulated atomic (the one outstanding: `State::amo_wait`) in our
+    /// emulation area's reply slot, whose value lands at (buffer, offset).
+    EmuAtomic { result: Arc<Buffer>, offset: usize },
 }
 
 #[derive(Debug)]
@@ -154,7 +171,10 @@ impl Pending {
             || (self.wait_write == 0 && self.wait_msg == 0 && !self.wait_resp && self.sent)
     }
     fn is_read_like(&self) -> bool {
-        matches!(self.resp, Resp::Read { .. } | Resp::Atomic { .. })
+        matches!(
+            self.resp,
+            Resp::Read { .. } | Resp::Atomic { .. } | Resp::EmuAtomic { .. }
+        )
     }
 }
 
@@ -193,6 +213,19 @@ struct Gated {
     fence: bool,
     /// Messages that consume a receive at the peer (credits).
     sends: u64,
+    /// The emulation's record this request writes into the peer's area, filled in when
+    /// the request starts (its ordinal or sequence number is known then): the index of
+    /// the placeholder message in `msgs`.
+    emu: Option<(usize, EmuFill)>,
+}
+
+/// A write into the peer's emulation area ([`crate::emu`]), filled in at start.
+#[derive(Debug, Clone, Copy)]
+enum EmuFill {
+    /// An immediate-data record into the ring slot of the next send's ordinal.
+    Imm(ImmRec),
+    /// An atomic request into the request slot.
+    Amo { op: AmoOp, addr: u64, rkey: u32 },
 }
 
 #[derive(Debug)]
@@ -227,6 +260,11 @@ struct State {
     recvs_posted: u64,
     posted_told: u64,
     update_queued: bool,
+    /// Emulated atomics ([`crate::emu`]): requests we sent (the last one's sequence
+    /// number), the one waiting for its reply, and the peer's requests we served.
+    amo_sent: u64,
+    amo_wait: Option<u64>,
+    amo_served: u64,
 }
 
 /// The shared state of one connection.
@@ -322,6 +360,9 @@ impl Conn {
                 recvs_posted: 0,
                 posted_told: 0,
                 update_queued: false,
+                amo_sent: 0,
+                amo_wait: None,
+                amo_served: 0,
             }),
             tx: Mutex::new(TxQueue::default()),
             rx: Mutex::new(Rx::new(crc)),
@@ -352,6 +393,20 @@ impl Conn {
             // (As the responder our reply's frame said so.) Our credit area is named
             // before the mark: the peer reads it once it sees the mark.
             let mut st = self.lock();
+            if let (Some(ours), Some(_)) = (self.neg.emu.as_deref(), self.neg.peer_emu) {
+                // Our emulation area too, where the peer reads it once it sees the mark.
+                self.transmit(
+                    &mut st,
+                    OutMsg::control(
+                        Kind::Tagged {
+                            opcode: opcode::WRITE,
+                            stag: area.stag,
+                            to: area.addr + pdata::area::EMU_OF_PEER as u64,
+                        },
+                        Announcement::encode(&ours.desc()).to_vec(),
+                    ),
+                );
+            }
             if let Some(ours) = &self.neg.area {
                 self.transmit(
                     &mut st,
@@ -508,7 +563,7 @@ impl Conn {
     }
 
     fn need_feature(&self, f: u8, what: &str) -> Result<()> {
-        if self.neg.has(f) {
+        if self.neg.has(f) || self.neg.emu().is_some() {
             Ok(())
         } else {
             Err(Error::unsupported(format!(
@@ -526,7 +581,12 @@ impl Conn {
             Acks,
             Read(Sges),
             Atomic(Arc<Buffer>, usize),
+            EmuAtomic(Arc<Buffer>, usize),
         }
+        // With this framework's iwarp provider: its emulation (crate::emu) instead of the
+        // extension's opcodes, which it does not speak.
+        let emulating = self.neg.emu().is_some();
+        let mut emu_fill = None;
         let payload = |sges: Sges, total: usize| -> Result<Payload> {
             if inline {
                 if total > crate::MAX_INLINE as usize {
@@ -552,6 +612,22 @@ impl Conn {
                     self.need_feature(features::IMMEDIATE, "send with immediate data")?;
                 }
                 let (sges, total) = self.gather(sgl, Access::empty())?;
+                let imm = match imm {
+                    Some(v) if emulating => {
+                        // The immediate goes into the peer's ring slot of this send first.
+                        emu_fill = Some((
+                            msgs.len(),
+                            EmuFill::Imm(ImmRec {
+                                kind: emu_wire::IMM_SEND,
+                                imm: v,
+                                len: 0,
+                            }),
+                        ));
+                        msgs.push(emu_placeholder());
+                        None
+                    }
+                    other => other,
+                };
                 let op = if imm.is_some() {
                     opcode::SEND_IMM
                 } else {
@@ -586,7 +662,29 @@ impl Conn {
                     sent_seq: None,
                     inbound: false,
                 });
-                if let Some(v) = imm {
+                if let (Some(v), true) = (imm, emulating) {
+                    // Then the immediate and the written length into the peer's ring, then a
+                    // zero-length Send that consumes one posted receive there: it is
+                    // delivered after both writes were placed.
+                    emu_fill = Some((
+                        msgs.len(),
+                        EmuFill::Imm(ImmRec {
+                            kind: emu_wire::IMM_WRITE,
+                            imm: v,
+                            len: total as u64,
+                        }),
+                    ));
+                    msgs.push(emu_placeholder());
+                    msgs.push(OutMsg::control(
+                        Kind::Untagged {
+                            opcode: opcode::SEND,
+                            ulp: 0,
+                            qn: qn::SEND,
+                            msn: 0,
+                        },
+                        Vec::new(),
+                    ));
+                } else if let Some(v) = imm {
                     let mut p = vec![0u8; ddp::IMMEDIATE_LEN];
                     p[..4].copy_from_slice(&v.to_be_bytes());
                     msgs.push(OutMsg::control(
@@ -599,7 +697,7 @@ impl Conn {
                         p,
                     ));
                 }
-                let imm_msgs = msgs.len() as u32 - 1;
+                let imm_msgs = if emulating { 0 } else { msgs.len() as u32 - 1 };
                 (wait_write, wait_msg, byte_len, resp_kind, read_like) = (
                     u32::from(acks),
                     if acks { imm_msgs } else { 0 },
@@ -635,34 +733,55 @@ impl Conn {
                 }
                 let (sges, _) = self.gather(std::slice::from_ref(&result), Access::LOCAL_WRITE)?;
                 let (b, off, _) = sges.into_iter().next().expect("one entry");
-                let (code, add_swap, compare) = match op {
-                    AtomicOp::FetchAdd { add } => (atomic_op::FETCH_ADD, add, 0),
-                    AtomicOp::CompareSwap { compare, swap } => {
-                        (atomic_op::COMPARE_SWAP, swap, compare)
-                    }
-                };
-                msgs.push(OutMsg::control(
-                    Kind::Untagged {
-                        opcode: opcode::ATOMIC_REQUEST,
-                        ulp: 0,
-                        qn: qn::ATOMIC,
-                        msn: 0,
-                    },
-                    AtomicRequest {
-                        op: code,
-                        req_id: 0,
-                        stag: remote.key,
-                        to: remote.addr,
-                        add_swap,
-                        add_swap_mask: !0,
-                        compare,
-                        compare_mask: !0,
-                    }
-                    .encode()
-                    .to_vec(),
-                ));
-                (wait_write, wait_msg, byte_len, resp_kind, read_like) =
-                    (0, 0, 8, R::Atomic(b, off), true);
+                if emulating {
+                    // The request goes into the peer's request slot; the request completes
+                    // when the reply is written into ours.
+                    emu_fill = Some((
+                        0,
+                        EmuFill::Amo {
+                            op: match op {
+                                AtomicOp::FetchAdd { add } => AmoOp::FetchAdd { add },
+                                AtomicOp::CompareSwap { compare, swap } => {
+                                    AmoOp::CompareSwap { compare, swap }
+                                }
+                            },
+                            addr: remote.addr,
+                            rkey: remote.key,
+                        },
+                    ));
+                    msgs.push(emu_placeholder());
+                    (wait_write, wait_msg, byte_len, resp_kind, read_like) =
+                        (0, 0, 8, R::EmuAtomic(b, off), true);
+                } else {
+                    let (code, add_swap, compare) = match op {
+                        AtomicOp::FetchAdd { add } => (atomic_op::FETCH_ADD, add, 0),
+                        AtomicOp::CompareSwap { compare, swap } => {
+                            (atomic_op::COMPARE_SWAP, swap, compare)
+                        }
+                    };
+                    msgs.push(OutMsg::control(
+                        Kind::Untagged {
+                            opcode: opcode::ATOMIC_REQUEST,
+                            ulp: 0,
+                            qn: qn::ATOMIC,
+                            msn: 0,
+                        },
+                        AtomicRequest {
+                            op: code,
+                            req_id: 0,
+                            stag: remote.key,
+                            to: remote.addr,
+                            add_swap,
+                            add_swap_mask: !0,
+                            compare,
+                            compare_mask: !0,
+                        }
+                        .encode()
+                        .to_vec(),
+                    ));
+                    (wait_write, wait_msg, byte_len, resp_kind, read_like) =
+                        (0, 0, 8, R::Atomic(b, off), true);
+                }
             }
         }
         // A foreign peer sends no delivery acks. Base RDMAP still orders a Read Request
@@ -722,6 +841,7 @@ impl Conn {
                 body[..4].copy_from_slice(&sink.to_be_bytes());
                 Resp::Read { sink }
             }
+            R::EmuAtomic(result, offset) => Resp::EmuAtomic { result, offset },
             R::Atomic(result, offset) => {
                 let req_id = st.next_req_id;
                 st.next_req_id = st.next_req_id.wrapping_add(1);
@@ -773,6 +893,7 @@ impl Conn {
             read_like,
             fence: wr.flags.contains(SendFlags::FENCE),
             sends,
+            emu: emu_fill,
         };
         if st.backlog.is_empty() && self.may_start(&st, &gated) {
             self.start_gated(&mut st, gated);
@@ -783,7 +904,10 @@ impl Conn {
     }
 
     fn may_start(&self, st: &State, g: &Gated) -> bool {
+        // One emulated atomic at a time: the peer's request slot holds one.
+        let amo = matches!(g.emu, Some((_, EmuFill::Amo { .. })));
         self.heard.load(AtomicOrdering::SeqCst)
+            && !(amo && st.amo_wait.is_some())
             && !(g.fence && st.reads_out > 0 || g.read_like && st.reads_out >= self.neg.ord)
             && self
                 .neg
@@ -791,14 +915,59 @@ impl Conn {
                 .is_none_or(|(ours, _)| credit_allows(st.sends_out, g.sends, ours.peer_posted()))
     }
 
-    fn start_gated(&self, st: &mut State, g: Gated) {
+    fn start_gated(&self, st: &mut State, mut g: Gated) {
         if g.read_like {
             st.reads_out += 1;
+        }
+        if let Some((i, fill)) = g.emu {
+            self.fill_emu(st, &mut g.msgs, i, fill);
         }
         st.sends_out += g.sends;
         for m in g.msgs {
             self.transmit(st, m);
         }
+    }
+
+    /// Fills in the write into the peer's emulation area at `msgs[at]`: an immediate-data
+    /// record goes into the ring slot of the ordinal of the next Send among `msgs` (the
+    /// sends that left before it: they reach the peer in this order), an atomic request
+    /// into the request slot with the next sequence number.
+    fn fill_emu(&self, st: &mut State, msgs: &mut [OutMsg], at: usize, fill: EmuFill) {
+        let Some((_, peer)) = self.neg.emu() else {
+            return; // not posted without the emulation
+        };
+        let (off, bytes) = match fill {
+            EmuFill::Imm(rec) => {
+                let before = msgs[..at]
+                    .iter()
+                    .filter(|m| matches!(m.kind, Kind::Untagged { qn: qn::SEND, .. }))
+                    .count() as u64;
+                let ordinal = st.sends_out + before;
+                let slot = (ordinal % u64::from(peer.imm_slots.max(1))) as usize;
+                (
+                    emu_wire::IMM_OFF + emu_wire::IMM_SLOT * slot,
+                    rec.encode(ordinal),
+                )
+            }
+            EmuFill::Amo { op, addr, rkey } => {
+                st.amo_sent += 1;
+                st.amo_wait = Some(st.amo_sent);
+                let req = AmoReq {
+                    seq: st.amo_sent,
+                    op,
+                    addr,
+                    rkey,
+                };
+                (emu_wire::REQ_OFF, req.encode())
+            }
+        };
+        let m = &mut msgs[at];
+        m.kind = Kind::Tagged {
+            opcode: opcode::WRITE,
+            stag: peer.stag,
+            to: peer.addr.wrapping_add(off as u64),
+        };
+        m.payload = Payload::Inline(bytes);
     }
 
     fn release_backlog(&self, st: &mut State) {
@@ -1368,6 +1537,19 @@ impl Conn {
         self.drain_sq(st);
         Ok(())
     }
+}
+
+/// The message that becomes a write into the peer's emulation area when its request starts
+/// ([`Conn::fill_emu`]).
+fn emu_placeholder() -> OutMsg {
+    OutMsg::control(
+        Kind::Tagged {
+            opcode: opcode::WRITE,
+            stag: 0,
+            to: 0,
+        },
+        Vec::new(),
+    )
 }
 
 /// A Read Request of `size` bytes at (`stag`, `to`); the sink STag is filled in at post time.
