@@ -1039,3 +1039,188 @@ fn credit_updates_coalesce_behind_a_full_socket() {
     assert_eq!(expect_word_write(&mut raw, peer.stag, posted), 3);
     expect_silence(&mut raw);
 }
+
+/// Reads one FPDU and checks that it is an RDMA Write at `to` of `stag`; returns its
+/// payload.
+fn expect_write_at(raw: &mut TcpStream, stag: u32, to: u64) -> Vec<u8> {
+    let (h, payload) = read_fpdu(raw);
+    match h {
+        Header::Tagged {
+            opcode: opcode::WRITE,
+            stag: s,
+            to: t,
+            last: true,
+        } if s == stag && t == to => payload,
+        other => panic!("expected an RDMA Write to {stag:#x} at {to:#x}, got {other:?}"),
+    }
+}
+
+/// The little-endian words of an emulation slot's bytes.
+fn le_words(b: &[u8]) -> Vec<u64> {
+    b.chunks(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+#[test]
+fn responder_speaks_the_iwarp_providers_emulation_when_offered() {
+    use fabric_api::emu_wire::{
+        self, AmoOp, AmoReply, AmoReq, ExtDesc, ImmRec, FLAG_ATOMICS, FLAG_IMMEDIATE,
+    };
+    use fabric_api::pdata::{self, area};
+    let peer_credit = pdata::AreaDesc {
+        addr: 0x7000_0000,
+        stag: 0x4242,
+    };
+    let peer_emu = ExtDesc {
+        flags: FLAG_ATOMICS | FLAG_IMMEDIATE,
+        imm_slots: 16,
+        addr: 0x7100_0000,
+        stag: 0x4343,
+    };
+    let srv = server(TcpOptions::default());
+    let addr = srv.listener.local_addr();
+    let mut user = pdata::frame(b"app", Some(peer_credit));
+    user.extend_from_slice(&peer_emu.encode());
+    let t = std::thread::spawn(move || raw_connect_with(addr, 2, false, false, &user));
+    let ep = accept(&srv, Duration::from_secs(10)).unwrap();
+    let (mut raw, _rep, setup) = t.join().unwrap();
+    assert_eq!(
+        ep.peer_private_data(),
+        b"app",
+        "the trailer is not application data"
+    );
+    let (app, ours) = pdata::unframe(&setup.user, true).unwrap();
+    let ours = ours.unwrap();
+    let emu = ExtDesc::find(&setup.user, app.len()).expect("our trailer in the reply");
+    assert_eq!(emu.flags, FLAG_ATOMICS | FLAG_IMMEDIATE);
+    assert!(
+        emu.addr != 0 && emu.stag != 0 && emu.imm_slots >= 1,
+        "{emu:?}"
+    );
+    let all =
+        fabric_api::OpSet::ATOMICS | fabric_api::OpSet::SEND_IMM | fabric_api::OpSet::WRITE_IMM;
+    assert!(ep.ops().contains(all), "{:?}", ep.ops());
+    // The initiator speaks first (its credit update); ours follows for the receive.
+    let rmr = srv
+        .domain
+        .register(Arc::new(Buffer::new(64)), Access::LOCAL_WRITE)
+        .unwrap();
+    ep.post_recv(&RecvWr::new(9, &[rmr.all()])).unwrap();
+    raw.write_all(&tagged_write(
+        ours.stag,
+        ours.addr + area::POSTED as u64,
+        &0u64.to_ne_bytes(),
+    ))
+    .unwrap();
+    assert_eq!(
+        expect_word_write(
+            &mut raw,
+            peer_credit.stag,
+            peer_credit.addr + area::POSTED as u64
+        ),
+        1
+    );
+
+    // A request executes the moment it is written, answered into the peer's reply slot.
+    let target = srv
+        .domain
+        .register(
+            Arc::new(Buffer::new(64)),
+            Access::LOCAL_WRITE | Access::REMOTE_ATOMIC,
+        )
+        .unwrap();
+    target.buffer().write(8, &40u64.to_ne_bytes());
+    let req = |seq, rkey| AmoReq {
+        seq,
+        op: AmoOp::FetchAdd { add: 2 },
+        addr: target.buffer().addr() + 8,
+        rkey,
+    };
+    let req_at = emu.addr + emu_wire::REQ_OFF as u64;
+    let reply_at = peer_emu.addr + emu_wire::REPLY_OFF as u64;
+    raw.write_all(&tagged_write(
+        emu.stag,
+        req_at,
+        &req(1, target.desc().key).encode(),
+    ))
+    .unwrap();
+    let rep = expect_write_at(&mut raw, peer_emu.stag, reply_at);
+    assert_eq!(
+        AmoReply::decode(&le_words(&rep)),
+        Some(AmoReply {
+            seq: 1,
+            result: Ok(40)
+        })
+    );
+    assert_eq!(target.buffer().read_pod::<u64>(8), 42);
+    // A request whose check fails (torn, garbage) is not executed; nor is an old one.
+    let mut bad = req(2, target.desc().key).encode();
+    bad[50] ^= 1;
+    raw.write_all(&tagged_write(emu.stag, req_at, &bad))
+        .unwrap();
+    raw.write_all(&tagged_write(
+        emu.stag,
+        req_at,
+        &req(1, target.desc().key).encode(),
+    ))
+    .unwrap();
+    expect_silence(&mut raw);
+    assert_eq!(target.buffer().read_pod::<u64>(8), 42);
+
+    // A send lands with the immediate of its ordinal's ring slot (the first send: 0).
+    let rec = ImmRec {
+        kind: emu_wire::IMM_SEND,
+        imm: 0xfeed_f00d,
+        len: 0,
+    };
+    raw.write_all(&tagged_write(
+        emu.stag,
+        emu.addr + emu_wire::IMM_OFF as u64,
+        &rec.encode(0),
+    ))
+    .unwrap();
+    raw.write_all(&fpdu(send(1, true, 0), b"imm", false))
+        .unwrap();
+    let c = wait_completion(&srv.cq);
+    assert_eq!(
+        (c.context, c.opcode, c.byte_len, c.imm),
+        (9, Opcode::Recv, 3, Some(0xfeed_f00d))
+    );
+
+    // A key without REMOTE_ATOMIC: refused with RemoteAccess in the reply, and the
+    // endpoint enters the error state (the iwarp provider's peer does too).
+    let plain = srv
+        .domain
+        .register(
+            Arc::new(Buffer::new(64)),
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        )
+        .unwrap();
+    let mut r = req(2, plain.desc().key);
+    r.addr = plain.buffer().addr();
+    raw.write_all(&tagged_write(emu.stag, req_at, &r.encode()))
+        .unwrap();
+    let rep = expect_write_at(&mut raw, peer_emu.stag, reply_at);
+    assert_eq!(
+        AmoReply::decode(&le_words(&rep)),
+        Some(AmoReply {
+            seq: 2,
+            result: Err(ErrorKind::RemoteAccess)
+        })
+    );
+    wait_state(&ep, EndpointState::Error);
+}
+
+/// Waits up to 5 s for one completion on `cq`.
+fn wait_completion(cq: &TcpCq) -> fabric_api::Completion {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut out = Vec::new();
+    loop {
+        if cq.poll(&mut out, 1).unwrap() == 1 {
+            return out.remove(0);
+        }
+        assert!(Instant::now() < deadline, "no completion within 5 s");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}

@@ -13,7 +13,7 @@
 
 mod rx;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
@@ -213,6 +213,9 @@ struct Gated {
     fence: bool,
     /// Messages that consume a receive at the peer (credits).
     sends: u64,
+    /// Read Requests beyond the first (a split read), each outstanding until its last
+    /// response segment.
+    extra_reads: u32,
     /// The emulation's record this request writes into the peer's area, filled in when
     /// the request starts (its ordinal or sequence number is known then): the index of
     /// the placeholder message in `msgs`.
@@ -236,6 +239,9 @@ struct State {
     /// Reads and atomics transmitted and not yet answered.
     reads_out: u32,
     read_sinks: HashMap<u32, Sges>,
+    /// Sinks of the first half of a split read ([`SMALL_PAYLOAD`]): their last segment
+    /// completes no request, the second half's does.
+    partial_sinks: HashSet<u32>,
     rq: VecDeque<PostedRecv>,
     /// The receive the current incoming message is being placed into: older than every
     /// receive in `rq`, and flushed with them if the connection ends mid-message.
@@ -346,6 +352,7 @@ impl Conn {
                 backlog: VecDeque::new(),
                 reads_out: 0,
                 read_sinks: HashMap::new(),
+                partial_sinks: HashSet::new(),
                 rq: VecDeque::new(),
                 placing: None,
                 unexpected: VecDeque::new(),
@@ -582,6 +589,8 @@ impl Conn {
             Read(Sges),
             Atomic(Arc<Buffer>, usize),
             EmuAtomic(Arc<Buffer>, usize),
+            /// A read split at the remote page boundary: the two halves' sinks.
+            SplitRead(Sges, Sges),
         }
         // With this framework's iwarp provider: its emulation (crate::emu) instead of the
         // extension's opcodes, which it does not speak.
@@ -711,9 +720,25 @@ impl Conn {
                 if inline {
                     return Err(Error::invalid("a read cannot be inline"));
                 }
-                (wait_write, wait_msg, byte_len, resp_kind, read_like) =
-                    (0, 0, total as u64, R::Read(sges), true);
-                msgs.push(read_request(total as u32, remote.key, remote.addr));
+                if self.neg.credits().is_some() && crosses_small(remote.addr, total) {
+                    // The iwarp provider's peer is siw, which garbles a small Read Response
+                    // crossing a page of its memory: two reads, split at the page boundary
+                    // (as the iwarp provider's own reads are).
+                    let first = (REMOTE_PAGE - remote.addr % REMOTE_PAGE) as usize;
+                    let (a, b) = split_sges(sges, first);
+                    msgs.push(read_request(first as u32, remote.key, remote.addr));
+                    msgs.push(read_request(
+                        (total - first) as u32,
+                        remote.key,
+                        remote.addr + first as u64,
+                    ));
+                    (wait_write, wait_msg, byte_len, resp_kind, read_like) =
+                        (0, 0, total as u64, R::SplitRead(a, b), true);
+                } else {
+                    (wait_write, wait_msg, byte_len, resp_kind, read_like) =
+                        (0, 0, total as u64, R::Read(sges), true);
+                    msgs.push(read_request(total as u32, remote.key, remote.addr));
+                }
             }
             SendOp::Atomic { result, remote, op } => {
                 self.need_feature(features::ATOMICS, "64-bit atomics")?;
@@ -823,15 +848,30 @@ impl Conn {
         self.send_cq.reserve()?;
         let seq = st.next_seq;
         st.next_seq += 1;
+        let new_sink = |st: &State| loop {
+            let s = random_u32();
+            if s != 0 && !st.read_sinks.contains_key(&s) {
+                break s;
+            }
+        };
         let resp = match resp_kind {
             R::Acks => Resp::Acks,
-            R::Read(sges) => {
-                let sink = loop {
-                    let s = random_u32();
-                    if s != 0 && !st.read_sinks.contains_key(&s) {
-                        break s;
+            R::SplitRead(a, b) => {
+                let n = msgs.len();
+                let mut sinks = [0u32; 2];
+                for (i, sges) in [a, b].into_iter().enumerate() {
+                    let sink = new_sink(&st);
+                    st.read_sinks.insert(sink, sges);
+                    sinks[i] = sink;
+                    if let Payload::Inline(v) = &mut msgs[n - 2 + i].payload {
+                        v[..4].copy_from_slice(&sink.to_be_bytes());
                     }
-                };
+                }
+                st.partial_sinks.insert(sinks[0]);
+                Resp::Read { sink: sinks[1] }
+            }
+            R::Read(sges) => {
+                let sink = new_sink(&st);
                 st.read_sinks.insert(sink, sges);
                 // The Read Request is the request's last message.
                 let body = match &mut msgs.last_mut().expect("a read request").payload {
@@ -888,7 +928,22 @@ impl Conn {
             .iter()
             .filter(|m| matches!(m.kind, Kind::Untagged { qn: qn::SEND, .. }))
             .count() as u64;
+        // Reads beyond the first (a split read) count against the ORD too.
+        let extra_reads = (msgs
+            .iter()
+            .filter(|m| {
+                matches!(
+                    m.kind,
+                    Kind::Untagged {
+                        opcode: opcode::READ_REQUEST,
+                        ..
+                    }
+                )
+            })
+            .count() as u32)
+            .saturating_sub(1);
         let gated = Gated {
+            extra_reads,
             msgs,
             read_like,
             fence: wr.flags.contains(SendFlags::FENCE),
@@ -908,7 +963,8 @@ impl Conn {
         let amo = matches!(g.emu, Some((_, EmuFill::Amo { .. })));
         self.heard.load(AtomicOrdering::SeqCst)
             && !(amo && st.amo_wait.is_some())
-            && !(g.fence && st.reads_out > 0 || g.read_like && st.reads_out >= self.neg.ord)
+            && !(g.fence && st.reads_out > 0
+                || g.read_like && st.reads_out + g.extra_reads >= self.neg.ord)
             && self
                 .neg
                 .credits()
@@ -917,7 +973,7 @@ impl Conn {
 
     fn start_gated(&self, st: &mut State, mut g: Gated) {
         if g.read_like {
-            st.reads_out += 1;
+            st.reads_out += 1 + g.extra_reads;
         }
         if let Some((i, fill)) = g.emu {
             self.fill_emu(st, &mut g.msgs, i, fill);
@@ -1367,6 +1423,7 @@ impl Conn {
         }
         st.backlog.clear();
         st.read_sinks.clear();
+        st.partial_sinks.clear();
         self.drain_sq(st);
         let placing = st.placing.take();
         let flushed: Vec<Completion> = placing
@@ -1573,6 +1630,38 @@ fn read_request(size: u32, stag: u32, to: u64) -> OutMsg {
     )
 }
 
+/// Page size of the remote memory layout whose small crossings siw garbles.
+const REMOTE_PAGE: u64 = 4096;
+/// Largest Read Response payload siw garbles when it crosses a page of its memory
+/// (`siw_try_1seg` in Linux 6.1 `siw_qp_tx.c` copies at most 32 bytes into its header and
+/// takes the second piece from the first page again; the iwarp provider's
+/// `small_page_crossing`).
+const SMALL_PAYLOAD: usize = 32;
+
+/// Whether a read of `len` bytes at remote `addr` is one siw garbles.
+fn crosses_small(addr: u64, len: usize) -> bool {
+    len > 0 && len <= SMALL_PAYLOAD && (addr % REMOTE_PAGE) + len as u64 > REMOTE_PAGE
+}
+
+/// Splits a gather list after `at` bytes.
+fn split_sges(sges: Sges, at: usize) -> (Sges, Sges) {
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    let mut left = at;
+    for (buf, off, len) in sges {
+        if left >= len {
+            left -= len;
+            a.push((buf, off, len));
+        } else if left == 0 {
+            b.push((buf, off, len));
+        } else {
+            a.push((buf.clone(), off, left));
+            b.push((buf, off + left, len - left));
+            left = 0;
+        }
+    }
+    (a, b)
+}
+
 /// Largest message the posting thread encodes and sends itself.
 const DIRECT_LIMIT: usize = 16 << 10;
 
@@ -1600,5 +1689,35 @@ fn scatter(sges: &Sges, mut at: usize, mut data: &[u8]) {
         b.write(off + at, &data[..take]);
         data = &data[take..];
         at = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_small_reads_across_a_remote_page_are_split_and_the_halves_cover_the_sink() {
+        assert!(crosses_small(4096 - 8, 24));
+        assert!(crosses_small(4095, 2));
+        assert!(!crosses_small(4096 - 8, 8), "ends at the boundary");
+        assert!(!crosses_small(4096, 32), "starts at it");
+        assert!(!crosses_small(4090, 33), "larger than siw's header copy");
+        assert!(!crosses_small(4090, 0));
+        let a = Arc::new(Buffer::new(64));
+        let b = Arc::new(Buffer::new(64));
+        let sges: Sges = vec![(a.clone(), 8, 10), (b.clone(), 0, 14)];
+        let (x, y) = split_sges(sges.clone(), 8);
+        assert_eq!(
+            x.iter().map(|s| (s.1, s.2)).collect::<Vec<_>>(),
+            vec![(8, 8)]
+        );
+        assert_eq!(
+            y.iter().map(|s| (s.1, s.2)).collect::<Vec<_>>(),
+            vec![(16, 2), (0, 14)]
+        );
+        let (x, y) = split_sges(sges, 10);
+        assert_eq!((x.len(), y.len()), (1, 1));
+        assert!(Arc::ptr_eq(&y[0].0, &b));
     }
 }

@@ -1077,6 +1077,12 @@ impl Conn {
         }
         if last {
             st.read_sinks.remove(&stag);
+            if st.partial_sinks.remove(&stag) {
+                // The first half of a split read: the second half completes the request.
+                st.reads_out -= 1;
+                self.release_backlog(&mut st);
+                return Ok(Flow::Done);
+            }
             self.response_unit(&mut st, Unit::ReadDone(stag))?;
         }
         Ok(Flow::Done)
