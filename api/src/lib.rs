@@ -101,6 +101,7 @@
 #![deny(unsafe_code)]
 
 pub mod caps;
+pub mod emu_wire;
 pub mod error;
 #[allow(unsafe_code)]
 pub mod mem;

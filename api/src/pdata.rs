@@ -43,6 +43,10 @@ pub mod area {
     /// address in the word at this offset, its steering tag in the low 32 bits of the
     /// word after it. Both zero: the peer takes no credits.
     pub const AREA_OF_PEER: usize = 32;
+    /// Where a peer that announced itself with [`HELLO`] names its emulation area
+    /// (`crate::emu_wire::Announcement`), written before the hello mark. Both words
+    /// zero: it offers no emulation.
+    pub const EMU_OF_PEER: usize = 48;
     /// Size of the area.
     pub const LEN: usize = 64;
 }

@@ -195,7 +195,12 @@ impl TcpConnecting {
         let header: [u8; mpa::HEADER_LEN] = got[..mpa::HEADER_LEN].try_into().expect("header");
         let (mut reply, _) = MpaFrame::decode_header(&header, true)?;
         reply.private_data = got[mpa::HEADER_LEN..].to_vec();
-        let neg = setup::accept_reply(&reply, &self.domain.shared.opts, &self.domain.shared.keys)?;
+        let neg = setup::accept_reply(
+            &reply,
+            &self.domain.shared.opts,
+            &self.domain.shared.keys,
+            self.cfg.rq_depth,
+        )?;
         let _ = self
             .poll
             .registry()

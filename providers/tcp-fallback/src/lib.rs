@@ -26,6 +26,7 @@ mod conn;
 mod connecting;
 mod cq;
 mod credit;
+mod emu;
 pub mod engine;
 mod keys;
 pub mod listen;
@@ -143,8 +144,8 @@ fn capabilities() -> Capabilities {
         imm_size: 4,
         emulated: vec![
             emu("RMA", OpSet::WRITE | OpSet::READ | OpSet::WRITE_IMM, "placement, reads and responses by the target's progress engine (one thread per domain plus the application's polls) over TCP"),
-            emu("atomics", OpSet::ATOMICS, "executed at the target on AtomicU64 (RFC 7306-style extension, peers of this framework only)"),
-            emu("immediate data", OpSet::SEND_IMM | OpSet::WRITE_IMM, "RFC 7306-style Immediate Data extension (peers of this framework only)"),
+            emu("atomics", OpSet::ATOMICS, "executed at the target on AtomicU64 (peers of this framework only: RFC 7306-style extension with the tcp provider, the iwarp provider's emulation with it)"),
+            emu("immediate data", OpSet::SEND_IMM | OpSet::WRITE_IMM, "peers of this framework only: RFC 7306-style Immediate Data extension with the tcp provider, the iwarp provider's emulation with it (a ring of records written before the send)"),
             emu("delivery-complete writes", OpSet::WRITE, "target acknowledges each message once placed (extension)"),
             emu("receiver not ready", OpSet::RNR_WAIT, "target buffers up to 8 MiB of unmatched sends, then TCP back-pressure"),
         ],
@@ -211,6 +212,7 @@ impl TcpDomain {
             &self.shared.opts,
             cfg.private_data,
             &self.shared.keys,
+            cfg.rq_depth,
         )?;
         self.finish_endpoint(sock, cfg, neg)
     }
@@ -435,6 +437,9 @@ impl spi::Endpoint for TcpEndpoint {
         if n.features & f::IMMEDIATE != 0 {
             v.push("immediate data (extension)".into());
         }
+        if n.emu().is_some() {
+            v.push("atomics and immediate data by the iwarp provider's emulation (its peer's area written with RDMA Writes; atomics executed at the target on AtomicU64)".into());
+        }
         if n.area.is_some() && n.peer_area.is_some() {
             v.push("receiver-not-ready by credits (the iwarp provider's credit protocol: sends wait for the peer's posted receives)".into());
         }
@@ -458,6 +463,10 @@ impl spi::Endpoint for TcpEndpoint {
         }
         if n & f::IMMEDIATE != 0 {
             ops |= OpSet::SEND_IMM | OpSet::WRITE_IMM;
+        }
+        // With this framework's iwarp provider: its emulation of both (crate::emu).
+        if self.conn.neg.emu().is_some() {
+            ops |= OpSet::ATOMICS | OpSet::SEND_IMM | OpSet::WRITE_IMM;
         }
         // Sends wait for a receive only when the target buffers them and says when they
         // landed, or when the connection runs the iwarp provider's credit protocol; a

@@ -4,10 +4,12 @@ use std::io::Write;
 use std::net::TcpStream;
 use std::sync::Arc;
 
+use fabric_api::emu_wire::{self, ExtDesc};
 use fabric_api::{pdata, Error, ErrorKind, Result};
 
 use crate::conn::Negotiated;
 use crate::credit::LocalArea;
+use crate::emu::{self, LocalEmu};
 use crate::keys::KeyTable;
 use crate::wire::mpa::{self, Enhanced, ExtBlock, MpaFrame, RtrKinds, Setup};
 use crate::TcpOptions;
@@ -73,10 +75,14 @@ pub(crate) fn request(opts: &TcpOptions, private_data: &[u8]) -> Result<Vec<u8>>
 /// was agreed. Against this framework's iwarp provider (its reply's frame names its credit
 /// area) our own credit area is registered in `keys`: the connection runs credits, and
 /// the endpoint names the area to the peer first thing ([`crate::conn::Conn::start`]).
+/// When that reply's frame also ends with the emulation trailer ([`crate::emu`]), our
+/// emulation area (one immediate-data slot per entry of a receive queue of `rq_depth`)
+/// is registered too, and named to the peer with the credit area.
 pub(crate) fn accept_reply(
     rep: &MpaFrame,
     opts: &TcpOptions,
     keys: &Arc<KeyTable>,
+    rq_depth: u32,
 ) -> Result<Negotiated> {
     if rep.revision > 2 {
         return Err(protocol(format!(
@@ -106,6 +112,8 @@ pub(crate) fn accept_reply(
         )));
     }
     let (peer_private, peer_area) = app_data(&setup.user)?;
+    let peer_emu =
+        peer_area.and_then(|_| emu::offered(ExtDesc::find(&setup.user, peer_private.len())));
     Ok(Negotiated {
         features: setup
             .ext
@@ -118,6 +126,8 @@ pub(crate) fn accept_reply(
         expect_send_rtr: false,
         area: peer_area.map(|_| Arc::new(LocalArea::new(keys))),
         peer_area,
+        emu: peer_emu.map(|_| Arc::new(LocalEmu::new(keys, rq_depth))),
+        peer_emu,
         initiator: true,
     })
 }
@@ -146,13 +156,17 @@ fn features_of(opts: &TcpOptions) -> u8 {
 
 /// Responder side: answers the MPA Request `req`, which the listener has already read
 /// (without blocking anyone: see [`crate::listen`]). A request from this framework's
-/// iwarp provider gets a framed reply naming our credit area, registered in `keys`.
+/// iwarp provider gets a framed reply naming our credit area, registered in `keys`, and,
+/// when the request's frame ended with the emulation trailer ([`crate::emu`]), ending with
+/// ours (an emulation area with one immediate-data slot per entry of a receive queue of
+/// `rq_depth`).
 pub(crate) fn respond(
     sock: &mut TcpStream,
     req: MpaFrame,
     opts: &TcpOptions,
     private_data: &[u8],
     keys: &Arc<KeyTable>,
+    rq_depth: u32,
 ) -> Result<Negotiated> {
     user_pd_check(private_data)?;
     let revision = req.revision.min(2);
@@ -207,12 +221,26 @@ pub(crate) fn respond(
     // answer with a frame too, naming our credit area (the connection runs credits both
     // ways, see [`crate::credit`]); the frame also tells it that we answer zero-length
     // RDMA Reads (delivery reads, liveness probes), which it sends no foreign iWARP stack.
-    let (user, area) = match peer_area {
+    // Its trailer (after its application bytes) offers the emulation of atomics and
+    // immediate data: ours follows our application bytes, naming our emulation area.
+    let (user, area, emu_pair) = match peer_area {
         Some(_) if private_data.len() <= FRAMED_MAX => {
             let area = Arc::new(LocalArea::new(keys));
-            (pdata::frame(private_data, Some(area.desc())), Some(area))
+            let mut user = pdata::frame(private_data, Some(area.desc()));
+            let offer = emu::offered(ExtDesc::find(&setup.user, peer_private.len()))
+                .filter(|_| private_data.len() + emu_wire::EXT_LEN <= FRAMED_MAX);
+            let pair = offer.map(|p| {
+                let ours = Arc::new(LocalEmu::new(keys, rq_depth));
+                user.extend_from_slice(&ours.desc().encode());
+                (ours, p)
+            });
+            (user, Some(area), pair)
         }
-        _ => (private_data.to_vec(), None),
+        _ => (private_data.to_vec(), None, None),
+    };
+    let (emu, peer_emu) = match emu_pair {
+        Some((ours, p)) => (Some(ours), Some(p)),
+        None => (None, None),
     };
     // Answer in kind: the IRD/ORD block (and the E bit) only when the request had them.
     let rep = MpaFrame {
@@ -241,6 +269,8 @@ pub(crate) fn respond(
         expect_send_rtr,
         peer_area,
         area,
+        emu,
+        peer_emu,
         initiator: false,
     })
 }

@@ -1039,3 +1039,423 @@ fn credit_updates_coalesce_behind_a_full_socket() {
     assert_eq!(expect_word_write(&mut raw, peer.stag, posted), 3);
     expect_silence(&mut raw);
 }
+
+/// Reads one FPDU and checks that it is an RDMA Write at `to` of `stag`; returns its
+/// payload.
+fn expect_write_at(raw: &mut TcpStream, stag: u32, to: u64) -> Vec<u8> {
+    let (h, payload) = read_fpdu(raw);
+    match h {
+        Header::Tagged {
+            opcode: opcode::WRITE,
+            stag: s,
+            to: t,
+            last: true,
+        } if s == stag && t == to => payload,
+        other => panic!("expected an RDMA Write to {stag:#x} at {to:#x}, got {other:?}"),
+    }
+}
+
+/// The little-endian words of an emulation slot's bytes.
+fn le_words(b: &[u8]) -> Vec<u64> {
+    b.chunks(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+#[test]
+fn responder_speaks_the_iwarp_providers_emulation_when_offered() {
+    use fabric_api::emu_wire::{
+        self, AmoOp, AmoReply, AmoReq, ExtDesc, ImmRec, FLAG_ATOMICS, FLAG_IMMEDIATE,
+    };
+    use fabric_api::pdata::{self, area};
+    let peer_credit = pdata::AreaDesc {
+        addr: 0x7000_0000,
+        stag: 0x4242,
+    };
+    let peer_emu = ExtDesc {
+        flags: FLAG_ATOMICS | FLAG_IMMEDIATE,
+        imm_slots: 16,
+        addr: 0x7100_0000,
+        stag: 0x4343,
+    };
+    let srv = server(TcpOptions::default());
+    let addr = srv.listener.local_addr();
+    let mut user = pdata::frame(b"app", Some(peer_credit));
+    user.extend_from_slice(&peer_emu.encode());
+    let t = std::thread::spawn(move || raw_connect_with(addr, 2, false, false, &user));
+    let ep = accept(&srv, Duration::from_secs(10)).unwrap();
+    let (mut raw, _rep, setup) = t.join().unwrap();
+    assert_eq!(
+        ep.peer_private_data(),
+        b"app",
+        "the trailer is not application data"
+    );
+    let (app, ours) = pdata::unframe(&setup.user, true).unwrap();
+    let ours = ours.unwrap();
+    let emu = ExtDesc::find(&setup.user, app.len()).expect("our trailer in the reply");
+    assert_eq!(emu.flags, FLAG_ATOMICS | FLAG_IMMEDIATE);
+    assert!(
+        emu.addr != 0 && emu.stag != 0 && emu.imm_slots >= 1,
+        "{emu:?}"
+    );
+    let all =
+        fabric_api::OpSet::ATOMICS | fabric_api::OpSet::SEND_IMM | fabric_api::OpSet::WRITE_IMM;
+    assert!(ep.ops().contains(all), "{:?}", ep.ops());
+    // The initiator speaks first (its credit update); ours follows for the receive.
+    let rmr = srv
+        .domain
+        .register(Arc::new(Buffer::new(64)), Access::LOCAL_WRITE)
+        .unwrap();
+    ep.post_recv(&RecvWr::new(9, &[rmr.all()])).unwrap();
+    raw.write_all(&tagged_write(
+        ours.stag,
+        ours.addr + area::POSTED as u64,
+        &0u64.to_ne_bytes(),
+    ))
+    .unwrap();
+    assert_eq!(
+        expect_word_write(
+            &mut raw,
+            peer_credit.stag,
+            peer_credit.addr + area::POSTED as u64
+        ),
+        1
+    );
+
+    // A request executes the moment it is written, answered into the peer's reply slot.
+    let target = srv
+        .domain
+        .register(
+            Arc::new(Buffer::new(64)),
+            Access::LOCAL_WRITE | Access::REMOTE_ATOMIC,
+        )
+        .unwrap();
+    target.buffer().write(8, &40u64.to_ne_bytes());
+    let req = |seq, rkey| AmoReq {
+        seq,
+        op: AmoOp::FetchAdd { add: 2 },
+        addr: target.buffer().addr() + 8,
+        rkey,
+    };
+    let req_at = emu.addr + emu_wire::REQ_OFF as u64;
+    let reply_at = peer_emu.addr + emu_wire::REPLY_OFF as u64;
+    raw.write_all(&tagged_write(
+        emu.stag,
+        req_at,
+        &req(1, target.desc().key).encode(),
+    ))
+    .unwrap();
+    let rep = expect_write_at(&mut raw, peer_emu.stag, reply_at);
+    assert_eq!(
+        AmoReply::decode(&le_words(&rep)),
+        Some(AmoReply {
+            seq: 1,
+            result: Ok(40)
+        })
+    );
+    assert_eq!(target.buffer().read_pod::<u64>(8), 42);
+    // A request whose check fails (torn, garbage) is not executed; nor is an old one.
+    let mut bad = req(2, target.desc().key).encode();
+    bad[50] ^= 1;
+    raw.write_all(&tagged_write(emu.stag, req_at, &bad))
+        .unwrap();
+    raw.write_all(&tagged_write(
+        emu.stag,
+        req_at,
+        &req(1, target.desc().key).encode(),
+    ))
+    .unwrap();
+    expect_silence(&mut raw);
+    assert_eq!(target.buffer().read_pod::<u64>(8), 42);
+
+    // A send lands with the immediate of its ordinal's ring slot (the first send: 0).
+    let rec = ImmRec {
+        kind: emu_wire::IMM_SEND,
+        imm: 0xfeed_f00d,
+        len: 0,
+    };
+    raw.write_all(&tagged_write(
+        emu.stag,
+        emu.addr + emu_wire::IMM_OFF as u64,
+        &rec.encode(0),
+    ))
+    .unwrap();
+    raw.write_all(&fpdu(send(1, true, 0), b"imm", false))
+        .unwrap();
+    let c = wait_completion(&srv.cq);
+    assert_eq!(
+        (c.context, c.opcode, c.byte_len, c.imm),
+        (9, Opcode::Recv, 3, Some(0xfeed_f00d))
+    );
+
+    // A key without REMOTE_ATOMIC: refused with RemoteAccess in the reply, and the
+    // endpoint enters the error state (the iwarp provider's peer does too).
+    let plain = srv
+        .domain
+        .register(
+            Arc::new(Buffer::new(64)),
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        )
+        .unwrap();
+    let mut r = req(2, plain.desc().key);
+    r.addr = plain.buffer().addr();
+    raw.write_all(&tagged_write(emu.stag, req_at, &r.encode()))
+        .unwrap();
+    let rep = expect_write_at(&mut raw, peer_emu.stag, reply_at);
+    assert_eq!(
+        AmoReply::decode(&le_words(&rep)),
+        Some(AmoReply {
+            seq: 2,
+            result: Err(ErrorKind::RemoteAccess)
+        })
+    );
+    wait_state(&ep, EndpointState::Error);
+}
+
+/// Waits up to 5 s for one completion on `cq`.
+fn wait_completion(cq: &TcpCq) -> fabric_api::Completion {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut out = Vec::new();
+    loop {
+        if cq.poll(&mut out, 1).unwrap() == 1 {
+            return out.remove(0);
+        }
+        assert!(Instant::now() < deadline, "no completion within 5 s");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn initiator_names_its_emulation_area_and_speaks_the_emulation() {
+    use fabric_api::emu_wire::{
+        self, AmoOp, AmoReply, AmoReq, Announcement, ExtDesc, ImmRec, FLAG_ATOMICS, FLAG_IMMEDIATE,
+    };
+    use fabric_api::pdata::{self, area};
+    let peer = pdata::AreaDesc {
+        addr: 0x6000_0000,
+        stag: 0x1717,
+    };
+    let peer_emu = ExtDesc {
+        flags: FLAG_ATOMICS | FLAG_IMMEDIATE,
+        imm_slots: 4,
+        addr: 0x6100_0000,
+        stag: 0x1818,
+    };
+    let domain = TcpDomain::open(TcpOptions::default()).unwrap();
+    let cq = domain.create_cq(64).unwrap();
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut h = [0u8; mpa::HEADER_LEN];
+        s.read_exact(&mut h).unwrap();
+        let (mut req, pd_len) = MpaFrame::decode_header(&h, false).unwrap();
+        req.private_data = vec![0; pd_len];
+        s.read_exact(&mut req.private_data).unwrap();
+        // No trailer, no frame in the request: the listener may be any iWARP stack.
+        assert_eq!(Setup::of(&req).unwrap().user, b"cli");
+        let mut user = pdata::frame(b"srv", Some(peer));
+        user.extend_from_slice(&peer_emu.encode());
+        let rep = MpaFrame {
+            reply: true,
+            markers: false,
+            crc: false,
+            reject: false,
+            enhanced: true,
+            ext_offer: false,
+            revision: 2,
+            private_data: Setup {
+                enhanced: Some(Enhanced {
+                    ird: 8,
+                    ord: 8,
+                    peer_to_peer: false,
+                    rtr: RtrKinds::default(),
+                }),
+                ext: None,
+                user,
+            }
+            .encode(),
+        };
+        s.write_all(&rep.encode()).unwrap();
+        s
+    });
+    let mut cfg = EndpointConfig::new(&cq);
+    cfg.private_data = b"cli";
+    let ep = domain.connect(addr, &cfg).unwrap();
+    let mut raw = t.join().unwrap();
+    assert_eq!(ep.peer_private_data(), b"srv");
+    let all =
+        fabric_api::OpSet::ATOMICS | fabric_api::OpSet::SEND_IMM | fabric_api::OpSet::WRITE_IMM;
+    assert!(ep.ops().contains(all), "{:?}", ep.ops());
+    // Our emulation area first, then our credit area, then the hello mark, the fillers.
+    let ann = expect_write_at(&mut raw, peer.stag, peer.addr + area::EMU_OF_PEER as u64);
+    let w = |i: usize| u64::from_ne_bytes(ann[8 * i..8 * i + 8].try_into().unwrap());
+    let ours = Announcement::decode(w(0), w(1)).expect("a valid announcement");
+    assert!(
+        ours.addr != 0 && ours.stag != 0 && ours.imm_slots >= 1,
+        "{ours:?}"
+    );
+    let credit = expect_write_at(&mut raw, peer.stag, peer.addr + area::AREA_OF_PEER as u64);
+    let our_credit = pdata::AreaDesc {
+        addr: u64::from_ne_bytes(credit[..8].try_into().unwrap()),
+        stag: u64::from_ne_bytes(credit[8..].try_into().unwrap()) as u32,
+    };
+    assert_ne!(
+        expect_word_write(&mut raw, peer.stag, peer.addr + area::HELLO as u64),
+        0
+    );
+    for _ in 0..4 {
+        let (h, _) = read_fpdu(&mut raw);
+        assert!(
+            matches!(
+                h,
+                Header::Untagged {
+                    opcode: opcode::SEND,
+                    ..
+                }
+            ),
+            "{h:?}"
+        );
+    }
+
+    // An atomic: the request into the peer's request slot; it completes with the reply
+    // written into ours.
+    let result = domain
+        .register(Arc::new(Buffer::new(8)), Access::LOCAL_WRITE)
+        .unwrap();
+    let remote = fabric_api::RemoteAddr {
+        addr: 0x9000_0008,
+        key: 0x77,
+    };
+    ep.post_send(&SendWr::fetch_add(5, result.all(), remote, 3))
+        .unwrap();
+    let req = expect_write_at(
+        &mut raw,
+        peer_emu.stag,
+        peer_emu.addr + emu_wire::REQ_OFF as u64,
+    );
+    assert_eq!(
+        AmoReq::decode(&le_words(&req)),
+        Some(AmoReq {
+            seq: 1,
+            op: AmoOp::FetchAdd { add: 3 },
+            addr: remote.addr,
+            rkey: remote.key
+        })
+    );
+    // A second one waits for the first's reply (one request slot).
+    ep.post_send(&SendWr::fetch_add(6, result.all(), remote, 1))
+        .unwrap();
+    expect_silence(&mut raw);
+    let reply_at = ours.addr + emu_wire::REPLY_OFF as u64;
+    // A reply with a bad check is ignored.
+    let mut bad = AmoReply {
+        seq: 1,
+        result: Ok(1),
+    }
+    .encode();
+    bad[20] ^= 4;
+    raw.write_all(&tagged_write(ours.stag, reply_at, &bad))
+        .unwrap();
+    expect_silence(&mut raw);
+    raw.write_all(&tagged_write(
+        ours.stag,
+        reply_at,
+        &AmoReply {
+            seq: 1,
+            result: Ok(41),
+        }
+        .encode(),
+    ))
+    .unwrap();
+    let c = wait_completion(&cq);
+    assert_eq!((c.context, c.status, c.byte_len), (5, Status::Success, 8));
+    assert_eq!(result.buffer().read_pod::<u64>(0), 41);
+    let req = expect_write_at(
+        &mut raw,
+        peer_emu.stag,
+        peer_emu.addr + emu_wire::REQ_OFF as u64,
+    );
+    assert_eq!(AmoReq::decode(&le_words(&req)).unwrap().seq, 2);
+    raw.write_all(&tagged_write(
+        ours.stag,
+        reply_at,
+        &AmoReply {
+            seq: 2,
+            result: Ok(44),
+        }
+        .encode(),
+    ))
+    .unwrap();
+    assert_eq!(wait_completion(&cq).context, 6);
+
+    // A send with immediate data: its record into the peer's ring slot of its ordinal (the
+    // first send: fillers do not count), then the send, once the peer granted a receive.
+    let src = domain
+        .register(Arc::new(Buffer::from_slice(b"hi")), Access::LOCAL_WRITE)
+        .unwrap();
+    ep.post_send(&SendWr::send(7, &[src.all()]).with_imm(0xabcd))
+        .unwrap();
+    expect_silence(&mut raw);
+    raw.write_all(&tagged_write(
+        our_credit.stag,
+        our_credit.addr + area::POSTED as u64,
+        &1u64.to_ne_bytes(),
+    ))
+    .unwrap();
+    let rec = expect_write_at(
+        &mut raw,
+        peer_emu.stag,
+        peer_emu.addr + emu_wire::IMM_OFF as u64,
+    );
+    assert_eq!(
+        rec,
+        ImmRec {
+            kind: emu_wire::IMM_SEND,
+            imm: 0xabcd,
+            len: 0
+        }
+        .encode(0)
+    );
+    let (h, payload) = read_fpdu(&mut raw);
+    assert!(
+        matches!(
+            h,
+            Header::Untagged {
+                opcode: opcode::SEND,
+                ulp: 0,
+                ..
+            }
+        ),
+        "a plain Send: {h:?}"
+    );
+    assert_eq!(payload, b"hi");
+
+    // A refused atomic: the reply's error completes it and the endpoint is in error.
+    ep.post_send(&SendWr::fetch_add(8, result.all(), remote, 1))
+        .unwrap();
+    loop {
+        let (h, _) = read_fpdu(&mut raw);
+        if matches!(h, Header::Tagged { stag, .. } if stag == peer_emu.stag) {
+            break;
+        }
+    }
+    raw.write_all(&tagged_write(
+        ours.stag,
+        reply_at,
+        &AmoReply {
+            seq: 3,
+            result: Err(ErrorKind::RemoteAccess),
+        }
+        .encode(),
+    ))
+    .unwrap();
+    let mut seen = Vec::new();
+    while !seen.iter().any(|c: &fabric_api::Completion| c.context == 8) {
+        seen.push(wait_completion(&cq));
+    }
+    let c = seen.iter().find(|c| c.context == 8).unwrap();
+    assert_eq!(c.status, Status::Error(ErrorKind::RemoteAccess));
+    wait_state(&ep, EndpointState::Error);
+}

@@ -1169,8 +1169,17 @@ fn warn_no_credits(credits: bool, own_area: bool) {
         tracing::warn!("peer has no credit area (not this framework's iwarp or tcp provider): no credit flow control on this connection");
     }
 }
-/// The emulation link and the early receives of an accepted endpoint.
-type AcceptExtras = (Option<EmuLink>, Option<EarlyRing>);
+/// The emulation of an accepted endpoint: the link, or (a frame-less initiator, which may
+/// be this framework's tcp provider announcing its area with its hello mark) our area
+/// kept until the peer's kind is known.
+#[derive(Debug)]
+enum AcceptEmu {
+    Link(Option<EmuLink>),
+    Undecided(Option<(Arc<Buffer>, Mr, u32)>),
+}
+
+/// The emulation and the early receives of an accepted endpoint.
+type AcceptExtras = (AcceptEmu, Option<EarlyRing>);
 
 /// Readable while a connection request waits for `try_accept` (the CM thread raises it
 /// when it queues one; taking the last lowers it).
@@ -1281,7 +1290,11 @@ impl<F: Flavor> VerbsListener<F> {
     /// peer is not of this framework.
     fn go_live(&self, w: HelloWait<F>, foreign: bool) -> VerbsEndpoint<F> {
         // A frame-less peer that wrote its hello mark is this framework's tcp provider: it
-        // runs credits when it named its own area before the mark.
+        // runs credits when it named its own area before the mark (and emulates when it
+        // named its emulation area too).
+        let peer_emu = (w.frameless && !foreign)
+            .then(|| CreditArea::announced_emu(w.credit.1.as_ref()))
+            .flatten();
         let credit = if w.frameless && !foreign {
             CreditArea::announced(w.credit.1)
         } else {
@@ -1289,6 +1302,15 @@ impl<F: Flavor> VerbsListener<F> {
         };
         warn_no_credits(credit.0.is_some(), credit.1.is_some());
         let (emu, mut early) = w.extras;
+        let emu = match emu {
+            AcceptEmu::Link(link) => link,
+            // This framework's tcp provider names its emulation area before its hello mark
+            // (as it names its credit area); a foreign stack names none.
+            AcceptEmu::Undecided(local) if !foreign => {
+                EmuLink::pair(local, peer_emu, credit.0.is_some())
+            }
+            AcceptEmu::Undecided(_) => None,
+        };
         if let Some(e) = early.as_mut() {
             // This framework's tcp provider consumes the early receives with fillers.
             e.fillers = !foreign;
@@ -1367,7 +1389,11 @@ impl<F: Flavor> VerbsListener<F> {
             return Err(e);
         }
         let (credit, sink) = CreditArea::pair(credit, peer_credit);
-        let emu = EmuLink::pair(emu_local, peer_ext, credit.is_some());
+        let emu = if foreign {
+            AcceptEmu::Undecided(emu_local)
+        } else {
+            AcceptEmu::Link(EmuLink::pair(emu_local, peer_ext, credit.is_some()))
+        };
         Ok((mb, (credit, sink), (emu, early), hw_sq_cap))
     }
 }

@@ -226,6 +226,17 @@ impl CreditArea {
         )
     }
 
+    /// After [`hello_seen`](Self::hello_seen) said yes: the emulation area the peer named
+    /// in our area (the tcp provider as the initiator writes it at `EMU_OF_PEER` before
+    /// its hello mark, see [`emu::Announcement`]), if it named a valid one.
+    pub fn announced_emu(sink: Option<&(Arc<Buffer>, Mr)>) -> Option<ExtDesc> {
+        let (buf, _) = sink?;
+        emu::Announcement::decode(
+            area_word(buf, credit::EMU_OF_PEER),
+            area_word(buf, credit::EMU_OF_PEER + 8),
+        )
+    }
+
     /// Our area's descriptor for the peer (private data).
     pub fn desc(buf: &Buffer, mr: &Mr) -> pdata::AreaDesc {
         pdata::AreaDesc {

@@ -13,7 +13,7 @@
 
 mod rx;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
@@ -30,6 +30,7 @@ use fabric_api::{
 
 use crate::cq::TcpCq;
 use crate::credit::{credit_allows, LocalArea};
+use crate::emu::{Announcement, LocalEmu};
 use crate::engine::Engine;
 use crate::keys::{random_u32, KeyTable};
 use crate::tx::{Kind, OutMsg, Payload, Queued, TxQueue};
@@ -37,6 +38,7 @@ use crate::wire::ddp::{
     self, atomic_op, opcode, qn, term, AtomicRequest, AtomicResponse, ReadRequest, Terminate,
 };
 use crate::wire::mpa::features;
+use fabric_api::emu_wire::{self, AmoOp, AmoReq, ExtDesc, ImmRec};
 
 use rx::{violation, Rx, RxEnd};
 
@@ -77,6 +79,11 @@ pub(crate) struct Negotiated {
     /// (our reply's frame named it, or, as the initiator, we name it first thing): then
     /// the connection runs the iwarp provider's credit protocol ([`crate::credit`]).
     pub area: Option<Arc<LocalArea>>,
+    /// Our emulation area, with a peer on this framework's iwarp provider that offered the
+    /// emulation of atomics and immediate data ([`crate::emu`]).
+    pub emu: Option<Arc<LocalEmu>>,
+    /// That peer's emulation area (its trailer).
+    pub peer_emu: Option<ExtDesc>,
     /// We initiated the connection (a peer on the iwarp provider then has early receives
     /// posted, which our filler sends consume: see [`EARLY_FILLERS`]).
     pub initiator: bool,
@@ -97,6 +104,13 @@ impl Negotiated {
     /// Our credit area and the peer's, when the connection runs credits.
     fn credits(&self) -> Option<(&LocalArea, pdata::AreaDesc)> {
         Some((self.area.as_deref()?, self.peer_area?))
+    }
+
+    /// Our emulation area and the peer's, when the connection speaks the iwarp provider's
+    /// emulation of atomics and immediate data (it needs the credit protocol too).
+    pub fn emu(&self) -> Option<(&LocalEmu, ExtDesc)> {
+        self.credits()?;
+        Some((self.emu.as_deref()?, self.peer_emu?))
     }
 
     /// Sends wait for the peer's receives: by credits (the iwarp provider), or because
@@ -123,6 +137,9 @@ enum Resp {
         result: Arc<Buffer>,
         offset: usize,
     },
+    /// The reply to our emulated atomic (the one outstanding: `State::amo_wait`) in our
+    /// emulation area's reply slot, whose value lands at (buffer, offset).
+    EmuAtomic { result: Arc<Buffer>, offset: usize },
 }
 
 #[derive(Debug)]
@@ -154,7 +171,10 @@ impl Pending {
             || (self.wait_write == 0 && self.wait_msg == 0 && !self.wait_resp && self.sent)
     }
     fn is_read_like(&self) -> bool {
-        matches!(self.resp, Resp::Read { .. } | Resp::Atomic { .. })
+        matches!(
+            self.resp,
+            Resp::Read { .. } | Resp::Atomic { .. } | Resp::EmuAtomic { .. }
+        )
     }
 }
 
@@ -193,6 +213,22 @@ struct Gated {
     fence: bool,
     /// Messages that consume a receive at the peer (credits).
     sends: u64,
+    /// Read Requests beyond the first (a split read), each outstanding until its last
+    /// response segment.
+    extra_reads: u32,
+    /// The emulation's record this request writes into the peer's area, filled in when
+    /// the request starts (its ordinal or sequence number is known then): the index of
+    /// the placeholder message in `msgs`.
+    emu: Option<(usize, EmuFill)>,
+}
+
+/// A write into the peer's emulation area ([`crate::emu`]), filled in at start.
+#[derive(Debug, Clone, Copy)]
+enum EmuFill {
+    /// An immediate-data record into the ring slot of the next send's ordinal.
+    Imm(ImmRec),
+    /// An atomic request into the request slot.
+    Amo { op: AmoOp, addr: u64, rkey: u32 },
 }
 
 #[derive(Debug)]
@@ -203,6 +239,9 @@ struct State {
     /// Reads and atomics transmitted and not yet answered.
     reads_out: u32,
     read_sinks: HashMap<u32, Sges>,
+    /// Sinks of the first half of a split read ([`SMALL_PAYLOAD`]): their last segment
+    /// completes no request, the second half's does.
+    partial_sinks: HashSet<u32>,
     rq: VecDeque<PostedRecv>,
     /// The receive the current incoming message is being placed into: older than every
     /// receive in `rq`, and flushed with them if the connection ends mid-message.
@@ -231,6 +270,11 @@ struct State {
     recvs_posted: u64,
     posted_told: u64,
     update_queued: bool,
+    /// Emulated atomics ([`crate::emu`]): requests we sent (the last one's sequence
+    /// number), the one waiting for its reply, and the peer's requests we served.
+    amo_sent: u64,
+    amo_wait: Option<u64>,
+    amo_served: u64,
 }
 
 /// The shared state of one connection.
@@ -316,6 +360,7 @@ impl Conn {
                 backlog: VecDeque::new(),
                 reads_out: 0,
                 read_sinks: HashMap::new(),
+                partial_sinks: HashSet::new(),
                 rq: VecDeque::new(),
                 placing: None,
                 unexpected: VecDeque::new(),
@@ -332,6 +377,9 @@ impl Conn {
                 recvs_posted: 0,
                 posted_told: 0,
                 update_queued: false,
+                amo_sent: 0,
+                amo_wait: None,
+                amo_served: 0,
             }),
             tx: Mutex::new(TxQueue::default()),
             rx: Mutex::new(Rx::new(crc)),
@@ -364,6 +412,20 @@ impl Conn {
             // (As the responder our reply's frame said so.) Our credit area is named
             // before the mark: the peer reads it once it sees the mark.
             let mut st = self.lock();
+            if let (Some(ours), Some(_)) = (self.neg.emu.as_deref(), self.neg.peer_emu) {
+                // Our emulation area too, where the peer reads it once it sees the mark.
+                self.transmit(
+                    &mut st,
+                    OutMsg::control(
+                        Kind::Tagged {
+                            opcode: opcode::WRITE,
+                            stag: area.stag,
+                            to: area.addr + pdata::area::EMU_OF_PEER as u64,
+                        },
+                        Announcement::encode(&ours.desc()).to_vec(),
+                    ),
+                );
+            }
             if let Some(ours) = &self.neg.area {
                 self.transmit(
                     &mut st,
@@ -576,7 +638,7 @@ impl Conn {
     }
 
     fn need_feature(&self, f: u8, what: &str) -> Result<()> {
-        if self.neg.has(f) {
+        if self.neg.has(f) || self.neg.emu().is_some() {
             Ok(())
         } else {
             Err(Error::unsupported(format!(
@@ -596,7 +658,14 @@ impl Conn {
             Acks,
             Read(Sges),
             Atomic(Arc<Buffer>, usize),
+            EmuAtomic(Arc<Buffer>, usize),
+            /// A read split at the remote page boundary: the two halves' sinks.
+            SplitRead(Sges, Sges),
         }
+        // With this framework's iwarp provider: its emulation (crate::emu) instead of the
+        // extension's opcodes, which it does not speak.
+        let emulating = self.neg.emu().is_some();
+        let mut emu_fill = None;
         let payload = |sges: Sges, total: usize| -> Result<Payload> {
             if inline {
                 if total > crate::MAX_INLINE as usize {
@@ -622,6 +691,22 @@ impl Conn {
                     self.need_feature(features::IMMEDIATE, "send with immediate data")?;
                 }
                 let (sges, total) = self.gather(sgl, Access::empty())?;
+                let imm = match imm {
+                    Some(v) if emulating => {
+                        // The immediate goes into the peer's ring slot of this send first.
+                        emu_fill = Some((
+                            msgs.len(),
+                            EmuFill::Imm(ImmRec {
+                                kind: emu_wire::IMM_SEND,
+                                imm: v,
+                                len: 0,
+                            }),
+                        ));
+                        msgs.push(emu_placeholder());
+                        None
+                    }
+                    other => other,
+                };
                 let op = if imm.is_some() {
                     opcode::SEND_IMM
                 } else {
@@ -656,7 +741,29 @@ impl Conn {
                     sent_seq: None,
                     inbound: false,
                 });
-                if let Some(v) = imm {
+                if let (Some(v), true) = (imm, emulating) {
+                    // Then the immediate and the written length into the peer's ring, then a
+                    // zero-length Send that consumes one posted receive there: it is
+                    // delivered after both writes were placed.
+                    emu_fill = Some((
+                        msgs.len(),
+                        EmuFill::Imm(ImmRec {
+                            kind: emu_wire::IMM_WRITE,
+                            imm: v,
+                            len: total as u64,
+                        }),
+                    ));
+                    msgs.push(emu_placeholder());
+                    msgs.push(OutMsg::control(
+                        Kind::Untagged {
+                            opcode: opcode::SEND,
+                            ulp: 0,
+                            qn: qn::SEND,
+                            msn: 0,
+                        },
+                        Vec::new(),
+                    ));
+                } else if let Some(v) = imm {
                     let mut p = vec![0u8; ddp::IMMEDIATE_LEN];
                     p[..4].copy_from_slice(&v.to_be_bytes());
                     msgs.push(OutMsg::control(
@@ -669,7 +776,7 @@ impl Conn {
                         p,
                     ));
                 }
-                let imm_msgs = msgs.len() as u32 - 1;
+                let imm_msgs = if emulating { 0 } else { msgs.len() as u32 - 1 };
                 (wait_write, wait_msg, byte_len, resp_kind, read_like) = (
                     u32::from(acks),
                     if acks { imm_msgs } else { 0 },
@@ -683,9 +790,25 @@ impl Conn {
                 if inline {
                     return Err(Error::invalid("a read cannot be inline"));
                 }
-                (wait_write, wait_msg, byte_len, resp_kind, read_like) =
-                    (0, 0, total as u64, R::Read(sges), true);
-                msgs.push(read_request(total as u32, remote.key, remote.addr));
+                if self.neg.credits().is_some() && crosses_small(remote.addr, total) {
+                    // The iwarp provider's peer is siw, which garbles a small Read Response
+                    // crossing a page of its memory: two reads, split at the page boundary
+                    // (as the iwarp provider's own reads are).
+                    let first = (REMOTE_PAGE - remote.addr % REMOTE_PAGE) as usize;
+                    let (a, b) = split_sges(sges, first);
+                    msgs.push(read_request(first as u32, remote.key, remote.addr));
+                    msgs.push(read_request(
+                        (total - first) as u32,
+                        remote.key,
+                        remote.addr + first as u64,
+                    ));
+                    (wait_write, wait_msg, byte_len, resp_kind, read_like) =
+                        (0, 0, total as u64, R::SplitRead(a, b), true);
+                } else {
+                    (wait_write, wait_msg, byte_len, resp_kind, read_like) =
+                        (0, 0, total as u64, R::Read(sges), true);
+                    msgs.push(read_request(total as u32, remote.key, remote.addr));
+                }
             }
             SendOp::Atomic { result, remote, op } => {
                 self.need_feature(features::ATOMICS, "64-bit atomics")?;
@@ -705,34 +828,55 @@ impl Conn {
                 }
                 let (sges, _) = self.gather(std::slice::from_ref(&result), Access::LOCAL_WRITE)?;
                 let (b, off, _) = sges.into_iter().next().expect("one entry");
-                let (code, add_swap, compare) = match op {
-                    AtomicOp::FetchAdd { add } => (atomic_op::FETCH_ADD, add, 0),
-                    AtomicOp::CompareSwap { compare, swap } => {
-                        (atomic_op::COMPARE_SWAP, swap, compare)
-                    }
-                };
-                msgs.push(OutMsg::control(
-                    Kind::Untagged {
-                        opcode: opcode::ATOMIC_REQUEST,
-                        ulp: 0,
-                        qn: qn::ATOMIC,
-                        msn: 0,
-                    },
-                    AtomicRequest {
-                        op: code,
-                        req_id: 0,
-                        stag: remote.key,
-                        to: remote.addr,
-                        add_swap,
-                        add_swap_mask: !0,
-                        compare,
-                        compare_mask: !0,
-                    }
-                    .encode()
-                    .to_vec(),
-                ));
-                (wait_write, wait_msg, byte_len, resp_kind, read_like) =
-                    (0, 0, 8, R::Atomic(b, off), true);
+                if emulating {
+                    // The request goes into the peer's request slot; the request completes
+                    // when the reply is written into ours.
+                    emu_fill = Some((
+                        0,
+                        EmuFill::Amo {
+                            op: match op {
+                                AtomicOp::FetchAdd { add } => AmoOp::FetchAdd { add },
+                                AtomicOp::CompareSwap { compare, swap } => {
+                                    AmoOp::CompareSwap { compare, swap }
+                                }
+                            },
+                            addr: remote.addr,
+                            rkey: remote.key,
+                        },
+                    ));
+                    msgs.push(emu_placeholder());
+                    (wait_write, wait_msg, byte_len, resp_kind, read_like) =
+                        (0, 0, 8, R::EmuAtomic(b, off), true);
+                } else {
+                    let (code, add_swap, compare) = match op {
+                        AtomicOp::FetchAdd { add } => (atomic_op::FETCH_ADD, add, 0),
+                        AtomicOp::CompareSwap { compare, swap } => {
+                            (atomic_op::COMPARE_SWAP, swap, compare)
+                        }
+                    };
+                    msgs.push(OutMsg::control(
+                        Kind::Untagged {
+                            opcode: opcode::ATOMIC_REQUEST,
+                            ulp: 0,
+                            qn: qn::ATOMIC,
+                            msn: 0,
+                        },
+                        AtomicRequest {
+                            op: code,
+                            req_id: 0,
+                            stag: remote.key,
+                            to: remote.addr,
+                            add_swap,
+                            add_swap_mask: !0,
+                            compare,
+                            compare_mask: !0,
+                        }
+                        .encode()
+                        .to_vec(),
+                    ));
+                    (wait_write, wait_msg, byte_len, resp_kind, read_like) =
+                        (0, 0, 8, R::Atomic(b, off), true);
+                }
             }
         }
         // A foreign peer sends no delivery acks. Base RDMAP still orders a Read Request
@@ -774,15 +918,30 @@ impl Conn {
         self.send_cq.reserve()?;
         let seq = st.next_seq;
         st.next_seq += 1;
+        let new_sink = |st: &State| loop {
+            let s = random_u32();
+            if s != 0 && !st.read_sinks.contains_key(&s) {
+                break s;
+            }
+        };
         let resp = match resp_kind {
             R::Acks => Resp::Acks,
-            R::Read(sges) => {
-                let sink = loop {
-                    let s = random_u32();
-                    if s != 0 && !st.read_sinks.contains_key(&s) {
-                        break s;
+            R::SplitRead(a, b) => {
+                let n = msgs.len();
+                let mut sinks = [0u32; 2];
+                for (i, sges) in [a, b].into_iter().enumerate() {
+                    let sink = new_sink(&st);
+                    st.read_sinks.insert(sink, sges);
+                    sinks[i] = sink;
+                    if let Payload::Inline(v) = &mut msgs[n - 2 + i].payload {
+                        v[..4].copy_from_slice(&sink.to_be_bytes());
                     }
-                };
+                }
+                st.partial_sinks.insert(sinks[0]);
+                Resp::Read { sink: sinks[1] }
+            }
+            R::Read(sges) => {
+                let sink = new_sink(&st);
                 st.read_sinks.insert(sink, sges);
                 // The Read Request is the request's last message.
                 let body = match &mut msgs.last_mut().expect("a read request").payload {
@@ -792,6 +951,7 @@ impl Conn {
                 body[..4].copy_from_slice(&sink.to_be_bytes());
                 Resp::Read { sink }
             }
+            R::EmuAtomic(result, offset) => Resp::EmuAtomic { result, offset },
             R::Atomic(result, offset) => {
                 let req_id = st.next_req_id;
                 st.next_req_id = st.next_req_id.wrapping_add(1);
@@ -838,11 +998,27 @@ impl Conn {
             .iter()
             .filter(|m| matches!(m.kind, Kind::Untagged { qn: qn::SEND, .. }))
             .count() as u64;
+        // Reads beyond the first (a split read) count against the ORD too.
+        let extra_reads = (msgs
+            .iter()
+            .filter(|m| {
+                matches!(
+                    m.kind,
+                    Kind::Untagged {
+                        opcode: opcode::READ_REQUEST,
+                        ..
+                    }
+                )
+            })
+            .count() as u32)
+            .saturating_sub(1);
         let gated = Gated {
+            extra_reads,
             msgs,
             read_like,
             fence: wr.flags.contains(SendFlags::FENCE),
             sends,
+            emu: emu_fill,
         };
         if st.backlog.is_empty() && self.may_start(&st, &gated) {
             let more = wr.flags.contains(SendFlags::MORE);
@@ -853,8 +1029,12 @@ impl Conn {
     }
 
     fn may_start(&self, st: &State, g: &Gated) -> bool {
+        // One emulated atomic at a time: the peer's request slot holds one.
+        let amo = matches!(g.emu, Some((_, EmuFill::Amo { .. })));
         self.heard.load(AtomicOrdering::SeqCst)
-            && !(g.fence && st.reads_out > 0 || g.read_like && st.reads_out >= self.neg.ord)
+            && !(amo && st.amo_wait.is_some())
+            && !(g.fence && st.reads_out > 0
+                || g.read_like && st.reads_out + g.extra_reads >= self.neg.ord)
             && self
                 .neg
                 .credits()
@@ -863,9 +1043,12 @@ impl Conn {
 
     /// Starts a request's messages; with `more` (`SendFlags::MORE`) small ones are held
     /// back to leave with what follows (`State::corked`). Returns whether they were.
-    fn start_gated(&self, st: &mut State, g: Gated, more: bool) -> bool {
+    fn start_gated(&self, st: &mut State, mut g: Gated, more: bool) -> bool {
         if g.read_like {
-            st.reads_out += 1;
+            st.reads_out += 1 + g.extra_reads;
+        }
+        if let Some((i, fill)) = g.emu {
+            self.fill_emu(st, &mut g.msgs, i, fill);
         }
         st.sends_out += g.sends;
         let len: usize = g.msgs.iter().map(|m| m.payload.len()).sum();
@@ -878,6 +1061,48 @@ impl Conn {
             self.transmit(st, m);
         }
         false
+    }
+
+    /// Fills in the write into the peer's emulation area at `msgs[at]`: an immediate-data
+    /// record goes into the ring slot of the ordinal of the next Send among `msgs` (the
+    /// sends that left before it: they reach the peer in this order), an atomic request
+    /// into the request slot with the next sequence number.
+    fn fill_emu(&self, st: &mut State, msgs: &mut [OutMsg], at: usize, fill: EmuFill) {
+        let Some((_, peer)) = self.neg.emu() else {
+            return; // not posted without the emulation
+        };
+        let (off, bytes) = match fill {
+            EmuFill::Imm(rec) => {
+                let before = msgs[..at]
+                    .iter()
+                    .filter(|m| matches!(m.kind, Kind::Untagged { qn: qn::SEND, .. }))
+                    .count() as u64;
+                let ordinal = st.sends_out + before;
+                let slot = (ordinal % u64::from(peer.imm_slots.max(1))) as usize;
+                (
+                    emu_wire::IMM_OFF + emu_wire::IMM_SLOT * slot,
+                    rec.encode(ordinal),
+                )
+            }
+            EmuFill::Amo { op, addr, rkey } => {
+                st.amo_sent += 1;
+                st.amo_wait = Some(st.amo_sent);
+                let req = AmoReq {
+                    seq: st.amo_sent,
+                    op,
+                    addr,
+                    rkey,
+                };
+                (emu_wire::REQ_OFF, req.encode())
+            }
+        };
+        let m = &mut msgs[at];
+        m.kind = Kind::Tagged {
+            opcode: opcode::WRITE,
+            stag: peer.stag,
+            to: peer.addr.wrapping_add(off as u64),
+        };
+        m.payload = Payload::Inline(bytes);
     }
 
     fn release_backlog(&self, st: &mut State) {
@@ -1370,6 +1595,7 @@ impl Conn {
         st.corked.clear();
         st.corked_bytes = 0;
         st.read_sinks.clear();
+        st.partial_sinks.clear();
         self.drain_sq(st);
         let placing = st.placing.take();
         let flushed: Vec<Completion> = placing
@@ -1542,6 +1768,19 @@ impl Conn {
     }
 }
 
+/// The message that becomes a write into the peer's emulation area when its request starts
+/// ([`Conn::fill_emu`]).
+fn emu_placeholder() -> OutMsg {
+    OutMsg::control(
+        Kind::Tagged {
+            opcode: opcode::WRITE,
+            stag: 0,
+            to: 0,
+        },
+        Vec::new(),
+    )
+}
+
 /// A Read Request of `size` bytes at (`stag`, `to`); the sink STag is filled in at post time.
 /// A delivery ack carrying `ulp` (kind flag and count).
 fn ack_msg(ulp: u32) -> OutMsg {
@@ -1576,6 +1815,38 @@ fn read_request(size: u32, stag: u32, to: u64) -> OutMsg {
     )
 }
 
+/// Page size of the remote memory layout whose small crossings siw garbles.
+const REMOTE_PAGE: u64 = 4096;
+/// Largest Read Response payload siw garbles when it crosses a page of its memory
+/// (`siw_try_1seg` in Linux 6.1 `siw_qp_tx.c` copies at most 32 bytes into its header and
+/// takes the second piece from the first page again; the iwarp provider's
+/// `small_page_crossing`).
+const SMALL_PAYLOAD: usize = 32;
+
+/// Whether a read of `len` bytes at remote `addr` is one siw garbles.
+fn crosses_small(addr: u64, len: usize) -> bool {
+    len > 0 && len <= SMALL_PAYLOAD && (addr % REMOTE_PAGE) + len as u64 > REMOTE_PAGE
+}
+
+/// Splits a gather list after `at` bytes.
+fn split_sges(sges: Sges, at: usize) -> (Sges, Sges) {
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    let mut left = at;
+    for (buf, off, len) in sges {
+        if left >= len {
+            left -= len;
+            a.push((buf, off, len));
+        } else if left == 0 {
+            b.push((buf, off, len));
+        } else {
+            a.push((buf.clone(), off, left));
+            b.push((buf, off + left, len - left));
+            left = 0;
+        }
+    }
+    (a, b)
+}
+
 /// Largest message the posting thread encodes and sends itself.
 const DIRECT_LIMIT: usize = 16 << 10;
 
@@ -1603,5 +1874,35 @@ fn scatter(sges: &Sges, mut at: usize, mut data: &[u8]) {
         b.write(off + at, &data[..take]);
         data = &data[take..];
         at = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_small_reads_across_a_remote_page_are_split_and_the_halves_cover_the_sink() {
+        assert!(crosses_small(4096 - 8, 24));
+        assert!(crosses_small(4095, 2));
+        assert!(!crosses_small(4096 - 8, 8), "ends at the boundary");
+        assert!(!crosses_small(4096, 32), "starts at it");
+        assert!(!crosses_small(4090, 33), "larger than siw's header copy");
+        assert!(!crosses_small(4090, 0));
+        let a = Arc::new(Buffer::new(64));
+        let b = Arc::new(Buffer::new(64));
+        let sges: Sges = vec![(a.clone(), 8, 10), (b.clone(), 0, 14)];
+        let (x, y) = split_sges(sges.clone(), 8);
+        assert_eq!(
+            x.iter().map(|s| (s.1, s.2)).collect::<Vec<_>>(),
+            vec![(8, 8)]
+        );
+        assert_eq!(
+            y.iter().map(|s| (s.1, s.2)).collect::<Vec<_>>(),
+            vec![(16, 2), (0, 14)]
+        );
+        let (x, y) = split_sges(sges, 10);
+        assert_eq!((x.len(), y.len()), (1, 1));
+        assert!(Arc::ptr_eq(&y[0].0, &b));
     }
 }

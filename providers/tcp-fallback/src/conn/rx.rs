@@ -25,8 +25,11 @@ use std::sync::atomic::Ordering as AtomicOrdering;
 
 use fabric_api::{Access, EndpointEvent, EndpointState, Error, ErrorKind, Opcode, ProviderCode};
 
+use fabric_api::emu_wire::{self, AmoReply, AmoReq, ImmRec};
+
 use super::{
-    scatter, Arrived, Conn, State, Unit, TX_QUEUE_LIMIT, UNEXPECTED_ENTRY_COST, UNEXPECTED_LIMIT,
+    scatter, Arrived, Conn, Resp, State, Unit, TX_QUEUE_LIMIT, UNEXPECTED_ENTRY_COST,
+    UNEXPECTED_LIMIT,
 };
 use crate::setup::IRD;
 use crate::tx::{Kind, OutMsg, Payload};
@@ -121,6 +124,8 @@ struct Parse {
     write_len: u64,
     last_write_len: u64,
     rtr_seen: bool,
+    /// Sends that arrived (the ordinal of the next one: the emulation's immediate data).
+    sends_in: u64,
 }
 
 /// The receive machine of one connection.
@@ -157,6 +162,7 @@ impl Rx {
                 write_len: 0,
                 last_write_len: 0,
                 rtr_seen: false,
+                sends_in: 0,
             },
             done: false,
             direct: None,
@@ -443,9 +449,10 @@ impl Conn {
                 d.to += n as u64;
                 d.left -= n;
                 if d.left == 0 {
-                    let (len, last) = (d.len, d.last);
+                    let (len, last, stag) = (d.len, d.last, d.stag);
                     rx.direct = None;
                     rx.streaming = true;
+                    self.emu_written(stag)?;
                     self.written(&mut rx.p, len, last);
                 }
                 Ok(true)
@@ -562,6 +569,7 @@ impl Conn {
                             return Err(violation(t, format!("RDMA Write of {len} bytes to STag {stag:#x} at {to:#x} refused")));
                         }
                     }
+                    self.emu_written(stag)?;
                 }
                 self.written(r, len, last);
                 Ok(Flow::Done)
@@ -799,13 +807,35 @@ impl Conn {
             }
         }
         if last {
+            let emu_imm = self.emu_imm(r);
             match r.current.take().expect("current message") {
                 Current::Matched { got } => {
                     let recv = st.placing.take().expect("a receive is being placed");
-                    self.complete_recv(&mut st, recv.context, Opcode::Recv, got as u64, imm);
+                    let (opcode, len, imm) = match emu_imm {
+                        Some(rec) if rec.kind == emu_wire::IMM_WRITE && got == 0 => {
+                            (Opcode::RecvWriteWithImm, rec.len, Some(rec.imm))
+                        }
+                        Some(rec) if rec.kind == emu_wire::IMM_SEND => {
+                            (Opcode::Recv, got as u64, Some(rec.imm))
+                        }
+                        _ => (Opcode::Recv, got as u64, imm),
+                    };
+                    self.complete_recv(&mut st, recv.context, opcode, len, imm);
                 }
                 Current::Buffered(data) => {
-                    let arrived = Arrived::Send { data, imm };
+                    let arrived = match emu_imm {
+                        Some(rec) if rec.kind == emu_wire::IMM_WRITE && data.is_empty() => {
+                            Arrived::WriteImm {
+                                imm: rec.imm,
+                                len: rec.len,
+                            }
+                        }
+                        Some(rec) if rec.kind == emu_wire::IMM_SEND => Arrived::Send {
+                            data,
+                            imm: Some(rec.imm),
+                        },
+                        _ => Arrived::Send { data, imm },
+                    };
                     if st.unexpected.is_empty() {
                         if let Some(recv) = st.rq.pop_front() {
                             self.deliver_buffered(&mut st, recv, arrived);
@@ -822,6 +852,101 @@ impl Conn {
             }
         }
         Ok(Flow::Done)
+    }
+
+    /// With the iwarp provider's emulation ([`crate::emu`]): the immediate-data record of
+    /// the Send that just arrived whole, from our ring slot of its ordinal (the peer wrote
+    /// it before the Send, and RDMAP ordering placed it first); `None` for a send without.
+    /// A record that does not match the send (wrong stamp, kind, a write's length beyond
+    /// the largest message) is no record.
+    fn emu_imm(&self, r: &mut Parse) -> Option<ImmRec> {
+        let (ours, _) = self.neg.emu()?;
+        let ordinal = r.sends_in;
+        r.sends_in += 1;
+        ImmRec::read(ours.buf(), ours.slots(), ordinal, crate::MAX_MSG_SIZE)
+    }
+
+    /// After an RDMA Write into STag `stag` was placed: when that is our emulation area
+    /// ([`crate::emu`]), a new request in its request slot is executed and answered (an
+    /// RDMA Write into the peer's reply slot), and a reply to our outstanding atomic in its
+    /// reply slot completes it. A refusal either way puts the endpoint in the error state
+    /// (the iwarp provider does the same at its end): the connection ends once the reply
+    /// left.
+    fn emu_written(&self, stag: u32) -> Result<(), RxEnd> {
+        let Some((ours, peer)) = self.neg.emu() else {
+            return Ok(());
+        };
+        if stag != ours.stag() {
+            return Ok(());
+        }
+        let (req, reply) = (AmoReq::read(ours.buf()), AmoReply::read(ours.buf()));
+        let mut st = self.lock();
+        if st.status != EndpointState::Connected {
+            return Err(RxEnd::Local);
+        }
+        if let Some(req) = req.filter(|q| q.seq == st.amo_served.wrapping_add(1)) {
+            st.amo_served = req.seq;
+            let result = crate::emu::execute(&self.keys, &req);
+            tracing::trace!(seq = req.seq, op = ?req.op, addr = req.addr, rkey = req.rkey, ?result, "emulated atomic executed");
+            let m = OutMsg::control(
+                Kind::Tagged {
+                    opcode: opcode::WRITE,
+                    stag: peer.stag,
+                    to: peer.addr.wrapping_add(emu_wire::REPLY_OFF as u64),
+                },
+                AmoReply {
+                    seq: req.seq,
+                    result,
+                }
+                .encode(),
+            );
+            self.transmit(&mut st, m);
+            if let Err(kind) = result {
+                tracing::debug!(
+                    ?kind,
+                    addr = req.addr,
+                    rkey = req.rkey,
+                    "emulated atomic refused: endpoint enters the error state"
+                );
+                let why = format!(
+                    "refused the peer's emulated atomic at {:#x} (key {:#x}): {kind}",
+                    req.addr, req.rkey
+                );
+                self.enter_error(&mut st, None, EndpointEvent::Failed(Error::new(kind, why)));
+                return Err(RxEnd::Local);
+            }
+        }
+        if let Some(rep) = reply.filter(|p| Some(p.seq) == st.amo_wait) {
+            st.amo_wait = None;
+            let Some(p) = st.sq.iter_mut().find(|p| {
+                p.error.is_none() && p.wait_resp && matches!(p.resp, Resp::EmuAtomic { .. })
+            }) else {
+                return Ok(());
+            };
+            match rep.result {
+                Ok(old) => {
+                    if let Resp::EmuAtomic { result, offset } = &p.resp {
+                        result.write(*offset, &old.to_ne_bytes());
+                    }
+                    p.wait_resp = false;
+                    st.reads_out -= 1;
+                    self.release_backlog(&mut st);
+                    self.drain_sq(&mut st);
+                }
+                Err(kind) => {
+                    tracing::debug!(
+                        seq = rep.seq,
+                        ?kind,
+                        "the peer refused an emulated atomic: endpoint enters the error state"
+                    );
+                    p.error = Some((kind, None));
+                    let why = format!("the peer refused an emulated atomic ({kind})");
+                    self.enter_error(&mut st, None, EndpointEvent::Failed(Error::new(kind, why)));
+                    return Err(RxEnd::Local);
+                }
+            }
+        }
+        Ok(())
     }
 
     fn on_read_request(&self, payload: &[u8]) -> Handled {
@@ -978,6 +1103,12 @@ impl Conn {
         }
         if last {
             st.read_sinks.remove(&stag);
+            if st.partial_sinks.remove(&stag) {
+                // The first half of a split read: the second half completes the request.
+                st.reads_out -= 1;
+                self.release_backlog(&mut st);
+                return Ok(Flow::Done);
+            }
             self.response_unit(&mut st, Unit::ReadDone(stag))?;
         }
         Ok(Flow::Done)
