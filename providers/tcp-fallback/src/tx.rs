@@ -444,19 +444,7 @@ fn write_fpdus(
     for f in followers {
         let before = pieces.len();
         pieces.push(IoPiece::Bytes(&f.head));
-        match &m.payload {
-            Payload::Inline(v) => pieces.push(IoPiece::Bytes(&v[f.off..f.off + f.seg])),
-            Payload::Memory(_) => {
-                m.payload
-                    .for_each_range(f.off, f.seg, &mut |buffer, offset, len| {
-                        pieces.push(IoPiece::Buffer {
-                            buffer,
-                            offset,
-                            len,
-                        })
-                    })
-            }
-        }
+        push_payload(&mut pieces, m, f.off, f.seg);
         pieces.push(IoPiece::Bytes(&f.trailer[..f.trailer_len]));
         if pieces.len() > fabric_api::mem::MAX_IO_PIECES {
             // Only whole FPDUs ride along.
@@ -467,6 +455,23 @@ fn write_fpdus(
     send_gather(sock.as_fd(), &pieces, written, libc::MSG_DONTWAIT)
 }
 
+/// The pieces of `[off, off + len)` of an unstaged payload: the inline bytes, or the
+/// registered-memory ranges, read by the kernel with no copy.
+fn push_payload<'a>(pieces: &mut Vec<IoPiece<'a>>, m: &'a OutMsg, off: usize, len: usize) {
+    match &m.payload {
+        Payload::Inline(v) => pieces.push(IoPiece::Bytes(&v[off..off + len])),
+        Payload::Memory(_) => m
+            .payload
+            .for_each_range(off, len, &mut |buffer, offset, len| {
+                pieces.push(IoPiece::Buffer {
+                    buffer,
+                    offset,
+                    len,
+                })
+            }),
+    }
+}
+
 /// The gather list of one FPDU (its payload staged when the CRC needs it, or when the
 /// payload's pieces would not fit one `sendmsg`).
 fn push_pieces<'a>(pieces: &mut Vec<IoPiece<'a>>, m: &'a OutMsg, fpdu: &'a mut Fpdu, crc: bool) {
@@ -474,14 +479,7 @@ fn push_pieces<'a>(pieces: &mut Vec<IoPiece<'a>>, m: &'a OutMsg, fpdu: &'a mut F
     match &m.payload {
         Payload::Inline(v) => pieces.push(IoPiece::Bytes(&v[fpdu.off..fpdu.off + fpdu.seg])),
         Payload::Memory(parts) if !crc && parts.len() < fabric_api::mem::MAX_IO_PIECES - 2 => {
-            m.payload
-                .for_each_range(fpdu.off, fpdu.seg, &mut |buffer, offset, len| {
-                    pieces.push(IoPiece::Buffer {
-                        buffer,
-                        offset,
-                        len,
-                    })
-                });
+            push_payload(pieces, m, fpdu.off, fpdu.seg);
         }
         Payload::Memory(_) => {
             let (off, seg) = (fpdu.off, fpdu.seg);

@@ -441,18 +441,7 @@ impl Conn {
             }
             self.mark_peer_area(&mut st, area, pdata::area::HELLO);
             for _ in 0..EARLY_FILLERS {
-                self.transmit(
-                    &mut st,
-                    OutMsg::control(
-                        Kind::Untagged {
-                            opcode: opcode::SEND,
-                            ulp: 0,
-                            qn: qn::SEND,
-                            msn: 0,
-                        },
-                        Vec::new(),
-                    ),
-                );
+                self.transmit(&mut st, empty_send());
             }
         }
         self.progress();
@@ -754,15 +743,7 @@ impl Conn {
                         }),
                     ));
                     msgs.push(emu_placeholder());
-                    msgs.push(OutMsg::control(
-                        Kind::Untagged {
-                            opcode: opcode::SEND,
-                            ulp: 0,
-                            qn: qn::SEND,
-                            msn: 0,
-                        },
-                        Vec::new(),
-                    ));
+                    msgs.push(empty_send());
                 } else if let Some(v) = imm {
                     let mut p = vec![0u8; ddp::IMMEDIATE_LEN];
                     p[..4].copy_from_slice(&v.to_be_bytes());
@@ -1782,6 +1763,20 @@ fn emu_placeholder() -> OutMsg {
 }
 
 /// A Read Request of `size` bytes at (`stag`, `to`); the sink STag is filled in at post time.
+/// A zero-length Send (the fillers that meet an iwarp peer's early receives; the Send
+/// that ends an emulated write with immediate data).
+fn empty_send() -> OutMsg {
+    OutMsg::control(
+        Kind::Untagged {
+            opcode: opcode::SEND,
+            ulp: 0,
+            qn: qn::SEND,
+            msn: 0,
+        },
+        Vec::new(),
+    )
+}
+
 /// A delivery ack carrying `ulp` (kind flag and count).
 fn ack_msg(ulp: u32) -> OutMsg {
     OutMsg::control(
