@@ -860,13 +860,10 @@ fn responder_runs_credits_with_an_iwarp_provider_peer() {
     credits_flow_both_ways(&srv.domain, &ep, &mut raw, peer, ours, 1, 1);
 }
 
-#[test]
-fn initiator_names_its_credit_area_before_the_hello_mark() {
-    use fabric_api::pdata::{self, area};
-    let peer = pdata::AreaDesc {
-        addr: 0x6000_0000,
-        stag: 0x1717,
-    };
+/// Connects a tcp endpoint (private data "cli") to a raw listener that plays this
+/// framework's iwarp provider: it checks the request carries no frame (the listener may be any
+/// iWARP stack) and replies with `user` as its private data (frame, credit area, trailer).
+fn dial_iwarp_listener(user: Vec<u8>) -> (TcpDomain, TcpCq, TcpEndpoint, TcpStream) {
     let domain = TcpDomain::open(TcpOptions::default()).unwrap();
     let cq = domain.create_cq(64).unwrap();
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -879,7 +876,6 @@ fn initiator_names_its_credit_area_before_the_hello_mark() {
         let (mut req, pd_len) = MpaFrame::decode_header(&h, false).unwrap();
         req.private_data = vec![0; pd_len];
         s.read_exact(&mut req.private_data).unwrap();
-        // Our request carries no frame: the listener may be any iWARP stack.
         assert_eq!(Setup::of(&req).unwrap().user, b"cli");
         let rep = MpaFrame {
             reply: true,
@@ -897,7 +893,7 @@ fn initiator_names_its_credit_area_before_the_hello_mark() {
                     rtr: RtrKinds::default(),
                 }),
                 ext: None,
-                user: pdata::frame(b"srv", Some(peer)),
+                user,
             }
             .encode(),
         };
@@ -907,8 +903,19 @@ fn initiator_names_its_credit_area_before_the_hello_mark() {
     let mut cfg = EndpointConfig::new(&cq);
     cfg.private_data = b"cli";
     let ep = domain.connect(addr, &cfg).unwrap();
-    let mut raw = t.join().unwrap();
+    let raw = t.join().unwrap();
     assert_eq!(ep.peer_private_data(), b"srv");
+    (domain, cq, ep, raw)
+}
+
+#[test]
+fn initiator_names_its_credit_area_before_the_hello_mark() {
+    use fabric_api::pdata::{self, area};
+    let peer = pdata::AreaDesc {
+        addr: 0x6000_0000,
+        stag: 0x1717,
+    };
+    let (domain, _cq, ep, mut raw) = dial_iwarp_listener(pdata::frame(b"srv", Some(peer)));
     // First our area's descriptor, then the hello mark, then the filler sends.
     let (h, payload) = read_fpdu(&mut raw);
     match h {
@@ -1241,50 +1248,9 @@ fn initiator_names_its_emulation_area_and_speaks_the_emulation() {
         addr: 0x6100_0000,
         stag: 0x1818,
     };
-    let domain = TcpDomain::open(TcpOptions::default()).unwrap();
-    let cq = domain.create_cq(64).unwrap();
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let t = std::thread::spawn(move || {
-        let (mut s, _) = l.accept().unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut h = [0u8; mpa::HEADER_LEN];
-        s.read_exact(&mut h).unwrap();
-        let (mut req, pd_len) = MpaFrame::decode_header(&h, false).unwrap();
-        req.private_data = vec![0; pd_len];
-        s.read_exact(&mut req.private_data).unwrap();
-        // No trailer, no frame in the request: the listener may be any iWARP stack.
-        assert_eq!(Setup::of(&req).unwrap().user, b"cli");
-        let mut user = pdata::frame(b"srv", Some(peer));
-        user.extend_from_slice(&peer_emu.encode());
-        let rep = MpaFrame {
-            reply: true,
-            markers: false,
-            crc: false,
-            reject: false,
-            enhanced: true,
-            ext_offer: false,
-            revision: 2,
-            private_data: Setup {
-                enhanced: Some(Enhanced {
-                    ird: 8,
-                    ord: 8,
-                    peer_to_peer: false,
-                    rtr: RtrKinds::default(),
-                }),
-                ext: None,
-                user,
-            }
-            .encode(),
-        };
-        s.write_all(&rep.encode()).unwrap();
-        s
-    });
-    let mut cfg = EndpointConfig::new(&cq);
-    cfg.private_data = b"cli";
-    let ep = domain.connect(addr, &cfg).unwrap();
-    let mut raw = t.join().unwrap();
-    assert_eq!(ep.peer_private_data(), b"srv");
+    let mut user = pdata::frame(b"srv", Some(peer));
+    user.extend_from_slice(&peer_emu.encode());
+    let (domain, cq, ep, mut raw) = dial_iwarp_listener(user);
     let all =
         fabric_api::OpSet::ATOMICS | fabric_api::OpSet::SEND_IMM | fabric_api::OpSet::WRITE_IMM;
     assert!(ep.ops().contains(all), "{:?}", ep.ops());
