@@ -621,27 +621,7 @@ impl Buffer {
         len: usize,
         flags: i32,
     ) -> io::Result<usize> {
-        self.check_range(offset, len)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
-        loop {
-            // SAFETY: the range is inside the allocation (checked) and stays allocated for
-            // the call (`&self`); the kernel writes it as a DMA engine would (module docs).
-            let n = unsafe {
-                libc::recv(
-                    fd.as_raw_fd(),
-                    self.ptr.as_ptr().add(offset).cast(),
-                    len,
-                    flags,
-                )
-            };
-            if n >= 0 {
-                return Ok(n as usize);
-            }
-            let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(e);
-            }
-        }
+        self.recv_into_spill(fd, offset, len, &mut [], flags)
     }
 }
 
