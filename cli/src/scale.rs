@@ -16,7 +16,8 @@
 //! * **connect**: wall time to connect and accept the N pairs, one after the other, and per
 //!   pair;
 //! * **Kmsg/s**: the aggregate rate of 8-byte messages, every client sending to its server
-//!   endpoint with `--window` sends outstanding, the server reposting each receive; one
+//!   endpoint with up to `--window` sends outstanding (refilled in one burst, posted with
+//!   `SendWr::more`, whenever half the window completed), the server reposting each receive; one
 //!   application thread busy-polls the two completion queues. K = 10^3.
 //!
 //! Each pair needs two sockets or queue pairs: raise the open-file limit (`ulimit -n`) for
@@ -228,7 +229,9 @@ fn measure(
     let mut touched = Vec::with_capacity(256);
     let t = Instant::now();
     let mut last_progress = Instant::now();
-    // Fill every window, then keep it full until each pair has sent its share.
+    // Fill every window; refill it in one burst each time it has drained to half (as
+    // osu_mbw_mr and ib_send_bw post a window at a time), until each pair sent its share.
+    let refill_at = w / 2;
     let post = |p: usize, sent: &mut [u64], outstanding: &mut [usize]| -> Result<(), String> {
         while outstanding[p] < w && sent[p] < per_pair {
             // All but the last of a burst with MORE: the provider may send them together.
@@ -251,17 +254,17 @@ fn measure(
         let mut got = 0;
         out.clear();
         got += ccq.poll(&mut out, 256).map_err(e("poll"))?;
-        // Reap first, then refill each pair's window in one burst.
+        // Reap first, then refill each pair whose window drained to half, in one burst.
         touched.clear();
         for c in out.drain(..) {
             if c.status != Status::Success {
                 return Err(format!("{n} pairs: send completed {c:?}"));
             }
             let p = c.context as usize;
-            if outstanding[p] == w {
+            outstanding[p] -= 1;
+            if outstanding[p] == refill_at {
                 touched.push(p);
             }
-            outstanding[p] -= 1;
         }
         for &p in &touched {
             post(p, &mut sent, &mut outstanding)?;

@@ -413,7 +413,10 @@ impl spi::Endpoint for TcpEndpoint {
         Ok(())
     }
     fn post_recv(&self, wr: &RecvWr<'_>) -> Result<()> {
-        self.conn.post_recv(wr)
+        if self.conn.post_recv(wr)? {
+            self.conn.defer_output();
+        }
+        Ok(())
     }
     fn state(&self) -> EndpointState {
         self.conn.state()

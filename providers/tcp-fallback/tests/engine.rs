@@ -268,3 +268,84 @@ fn deferred_acks_leave_without_a_send_to_carry_them() {
         }
     }
 }
+
+/// A receive post that takes a message which arrived before it (from the unexpected queue)
+/// places it on the application's behalf, as the application's own poll would: its ack is
+/// deferred too (a windowed sender otherwise gets one ack, one system call, per message),
+/// and still leaves at the target's next poll (manual) or from the progress thread (auto).
+/// Manual progress: the sender, polling on its own, sees no completion until the target
+/// polls.
+#[test]
+fn a_receive_post_placing_an_early_message_defers_its_ack() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for mode in [ProgressMode::Manual, ProgressMode::Auto] {
+        let domain = TcpDomain::open(TcpOptions {
+            progress: mode,
+            ..TcpOptions::default()
+        })
+        .unwrap();
+        let cq_a = domain.create_cq(64).unwrap();
+        let cq_b = domain.create_cq(64).unwrap();
+        let (a, b) = connect(&domain, &cq_a, &cq_b, 1).pop().unwrap();
+        let src = domain
+            .register(Arc::new(Buffer::from_slice(b"unexpect")), Access::empty())
+            .unwrap();
+        let dst = domain
+            .register(Arc::new(Buffer::new(8)), Access::LOCAL_WRITE)
+            .unwrap();
+        let mut out = Vec::new();
+        for round in 0..5u64 {
+            a.post_send(&SendWr::send(1000 + round, &[src.all()]))
+                .unwrap();
+            // Both sides progress for a while with no receive posted: the message lands in
+            // the target's unexpected queue; nothing completes.
+            let until = Instant::now() + Duration::from_millis(100);
+            while Instant::now() < until {
+                assert_eq!(
+                    cq_a.poll(&mut out, 1).unwrap(),
+                    0,
+                    "{mode:?}: early send completion"
+                );
+                assert_eq!(
+                    cq_b.poll(&mut out, 1).unwrap(),
+                    0,
+                    "{mode:?}: completion without a receive"
+                );
+            }
+            b.post_recv(&fabric_api::RecvWr::new(round, &[dst.all()]))
+                .unwrap();
+            if mode == ProgressMode::Manual {
+                // The ack is held until the target is back: the sender sees nothing.
+                let until = Instant::now() + Duration::from_millis(100);
+                while Instant::now() < until {
+                    assert_eq!(
+                        cq_a.poll(&mut out, 1).unwrap(),
+                        0,
+                        "round {round}: the receive post sent its ack at once"
+                    );
+                }
+            }
+            assert_eq!(
+                cq_b.poll(&mut out, 1).unwrap(),
+                1,
+                "{mode:?}: receive not complete"
+            );
+            let c = out.pop().unwrap();
+            assert_eq!(
+                (c.context, c.status, c.byte_len),
+                (round, Status::Success, 8)
+            );
+            assert_eq!(&dst.buffer().to_vec(0, 8), b"unexpect");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while cq_a.poll(&mut out, 1).unwrap() == 0 {
+                assert!(
+                    Instant::now() < deadline,
+                    "{mode:?}: send {round} never completed: its ack stayed deferred"
+                );
+                std::hint::spin_loop();
+            }
+            let c = out.pop().unwrap();
+            assert_eq!((c.context, c.status), (1000 + round, Status::Success));
+        }
+    }
+}

@@ -1096,7 +1096,10 @@ impl Conn {
         }
     }
 
-    pub fn post_recv(&self, wr: &RecvWr<'_>) -> Result<()> {
+    /// Posts a receive; returns whether the delivery ack of a message it took from the
+    /// unexpected queue was deferred (the caller then notes the connection with
+    /// [`Self::defer_output`]).
+    pub fn post_recv(&self, wr: &RecvWr<'_>) -> Result<bool> {
         let (sges, total) = self.gather(wr.sgl, Access::LOCAL_WRITE)?;
         let mut st = self.lock();
         Self::check_connected(&st)?;
@@ -1112,9 +1115,20 @@ impl Conn {
             sges,
             total,
         };
+        let mut deferred = false;
         if let Some(arrived) = st.unexpected.pop_front() {
             st.unexpected_bytes -= arrived.cost();
-            self.deliver_buffered(&mut st, recv, arrived);
+            if st.batching {
+                // A receive pass is under way on another thread: its end acks this too.
+                self.deliver_buffered(&mut st, recv, arrived);
+            } else {
+                // The application placed it with this call and sees the completion at its
+                // next poll: the ack is deferred as if its own poll had placed it (it rides
+                // on the next message, or leaves at that poll: see `progress_app`).
+                st.batching = true;
+                self.deliver_buffered(&mut st, recv, arrived);
+                deferred = self.flush_acks(&mut st, true);
+            }
         } else {
             st.rq.push_back(recv);
         }
@@ -1127,7 +1141,7 @@ impl Conn {
         if self.rx_blocked.load(AtomicOrdering::SeqCst) {
             self.progress();
         }
-        Ok(())
+        Ok(deferred)
     }
 
     /// Delivers a message that arrived before its receive was posted.
