@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use fabric_api::{send_gather, Buffer, IoPiece};
 
-use crate::wire::ddp::Header;
+use crate::wire::ddp::{self, Header};
 use crate::wire::mpa;
 
 /// Where a message's payload comes from.
@@ -147,9 +147,7 @@ impl OutMsg {
         let seg = (total - off).min(max_seg);
         let last = off + seg == total;
         let h = self.header(off, last);
-        let mut head = Vec::with_capacity(2 + crate::wire::ddp::UNTAGGED_LEN);
-        head.extend_from_slice(&((h.len() + seg) as u16).to_be_bytes());
-        h.encode_into(&mut head);
+        let head = Head::new(&h, seg);
         let pad = mpa::pad_len(h.len() + seg);
         let crc_val = if crc {
             let mut c = crc32c::crc32c(&head);
@@ -190,10 +188,36 @@ impl OutMsg {
     }
 }
 
+/// An FPDU's MPA length and DDP header, on the stack (no allocation per FPDU).
+#[derive(Debug, Clone, Copy)]
+struct Head {
+    bytes: [u8; 2 + ddp::UNTAGGED_LEN],
+    len: usize,
+}
+
+impl Head {
+    /// The MPA length field (header plus `seg` payload bytes) and header `h`.
+    fn new(h: &Header, seg: usize) -> Head {
+        let mut bytes = [0u8; 2 + ddp::UNTAGGED_LEN];
+        bytes[..2].copy_from_slice(&((h.len() + seg) as u16).to_be_bytes());
+        let mut hdr = [0u8; ddp::UNTAGGED_LEN];
+        let n = h.write_to(&mut hdr);
+        bytes[2..2 + n].copy_from_slice(&hdr[..n]);
+        Head { bytes, len: 2 + n }
+    }
+}
+
+impl std::ops::Deref for Head {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
+
 /// One FPDU of a queued message, being written.
 #[derive(Debug)]
 struct Fpdu {
-    head: Vec<u8>,
+    head: Head,
     /// Payload offset of its first byte in the message.
     off: usize,
     seg: usize,
@@ -288,7 +312,7 @@ impl TxQueue {
             Some(Queued::Tail(bytes, _, _)) => Some(bytes[self.tail_done..].to_vec()),
             Some(Queued::Msg(m)) => match &self.current {
                 Some((f, written)) if *written > 0 => {
-                    let mut all = f.head.clone();
+                    let mut all = f.head.to_vec();
                     match &f.staged {
                         Some(v) => all.extend_from_slice(v),
                         None => m

@@ -260,6 +260,11 @@ struct State {
     /// next ones in one `send` (at most `DIRECT_LIMIT` bytes of payload), and their bytes.
     corked: Vec<OutMsg>,
     corked_bytes: usize,
+    /// Scratch of the direct transmit path, kept so that a message allocates nothing
+    /// there: the messages of one `send`, their encoding, and where each one ends.
+    spare_msgs: Vec<OutMsg>,
+    spare_bytes: Vec<u8>,
+    spare_ends: Vec<(usize, Option<u64>, bool)>,
     /// Receive completions of the batch, delivered after its acks are sent.
     received: Vec<Completion>,
     /// Credits ([`crate::credit`]): messages that consume a receive at the peer sent so
@@ -372,6 +377,9 @@ impl Conn {
                 acks_owed: [0; 2],
                 corked: Vec::new(),
                 corked_bytes: 0,
+                spare_msgs: Vec::new(),
+                spare_bytes: Vec::new(),
+                spare_ends: Vec::new(),
                 received: Vec::new(),
                 sends_out: 0,
                 recvs_posted: 0,
@@ -1246,35 +1254,36 @@ impl Conn {
 
     /// Transmits `msgs` in order: encoded into one buffer and handed to the socket with
     /// one `send` when they are small and nothing is queued, else one by one.
-    fn transmit_all(&self, st: &mut State, msgs: Vec<OutMsg>) {
+    fn transmit_all(&self, st: &mut State, mut msgs: Vec<OutMsg>) {
         let small = msgs.iter().map(|m| m.payload.len()).sum::<usize>() <= DIRECT_LIMIT;
         let idle = {
             let tx = self.tx.lock().expect("tx poisoned");
             tx.is_idle() && !tx.closed
         };
         if !small || !idle || msgs.len() == 1 {
-            for m in msgs {
+            for m in msgs.drain(..) {
                 self.transmit_one(st, m);
             }
+            st.spare_msgs = msgs;
             return;
         }
-        let mut bytes = Vec::with_capacity(msgs.iter().map(|m| m.payload.len() + 32).sum());
+        let mut bytes = std::mem::take(&mut st.spare_bytes);
+        bytes.clear();
         // Where each message ends in `bytes`, and what its last byte leaving means.
-        let mut ends = Vec::with_capacity(msgs.len());
-        for mut m in msgs {
+        let mut ends = std::mem::take(&mut st.spare_ends);
+        ends.clear();
+        for mut m in msgs.drain(..) {
             Self::number(st, &mut m);
             m.encode_into(&mut bytes, self.max_seg, self.neg.crc);
             ends.push((bytes.len(), m.sent_seq, m.inbound));
         }
+        st.spare_msgs = msgs;
         let n = self.send_now(&bytes);
-        let mut sent = Vec::new();
         {
             let mut tx = self.tx.lock().expect("tx poisoned");
             let mut start = 0;
-            for (end, seq, inbound) in ends {
-                if end <= n {
-                    sent.extend(seq);
-                } else {
+            for &(end, seq, inbound) in &ends {
+                if end > n {
                     // The rest of each message, queued whole (the socket is full: its
                     // writable edge brings progress back).
                     tx.inbound += u32::from(inbound);
@@ -1287,8 +1296,20 @@ impl Conn {
                 start = end;
             }
         }
-        for seq in sent {
-            self.mark_sent(st, seq);
+        for &(end, seq, _) in &ends {
+            if let (true, Some(seq)) = (end <= n, seq) {
+                self.mark_sent(st, seq);
+            }
+        }
+        Self::keep_spare(st, bytes);
+        st.spare_ends = ends;
+    }
+
+    /// Keeps an encoding buffer for the next direct transmit, unless a large message grew
+    /// it (an idle connection keeps at most `SPARE_KEEP` bytes).
+    fn keep_spare(st: &mut State, bytes: Vec<u8>) {
+        if bytes.capacity() <= SPARE_KEEP {
+            st.spare_bytes = bytes;
         }
     }
 
@@ -1328,11 +1349,13 @@ impl Conn {
             return;
         }
         if tx.is_idle() && m.payload.len() <= DIRECT_LIMIT {
-            let mut bytes = Vec::new();
+            let mut bytes = std::mem::take(&mut st.spare_bytes);
+            bytes.clear();
             m.encode_into(&mut bytes, self.max_seg, self.neg.crc);
             let n = self.send_now(&bytes);
             if n == bytes.len() {
                 drop(tx);
+                Self::keep_spare(st, bytes);
                 if let Some(seq) = m.sent_seq {
                     self.mark_sent(st, seq);
                 }
@@ -1341,6 +1364,7 @@ impl Conn {
             tx.inbound += u32::from(m.inbound);
             tx.queue
                 .push_back(Queued::Tail(bytes[n..].to_vec(), m.sent_seq, m.inbound));
+            Self::keep_spare(st, bytes);
             // The socket is full: its writable edge brings progress back.
             return;
         }
@@ -1409,10 +1433,11 @@ impl Conn {
 
     /// The messages held back: acks owed, then corked requests (none when nothing is).
     fn take_held(st: &mut State) -> Vec<OutMsg> {
-        let mut held = Vec::new();
         if st.acks_owed == [0; 2] && st.corked.is_empty() {
-            return held;
+            return Vec::new();
         }
+        let mut held = std::mem::take(&mut st.spare_msgs);
+        held.clear();
         for (kind, flag) in [(0, 0), (1, ddp::ACK_MESSAGES)] {
             let mut n = std::mem::take(&mut st.acks_owed[kind]);
             while n > 0 {
@@ -1858,6 +1883,10 @@ fn split_sges(sges: Sges, at: usize) -> (Sges, Sges) {
 
 /// Largest message the posting thread encodes and sends itself.
 const DIRECT_LIMIT: usize = 16 << 10;
+
+/// Largest encoding buffer a connection keeps between transmits (small messages and acks
+/// then allocate nothing; see [`Conn::keep_spare`]).
+const SPARE_KEEP: usize = 2 << 10;
 
 /// How long a graceful close waits for its close mark to reach the socket.
 const CLOSE_MARK_WAIT: Duration = Duration::from_millis(200);

@@ -141,6 +141,19 @@ impl Header {
 
     /// Appends the encoding to `out`.
     pub fn encode_into(&self, out: &mut Vec<u8>) {
+        let mut b = [0u8; UNTAGGED_LEN];
+        let n = self.write_to(&mut b);
+        out.extend_from_slice(&b[..n]);
+    }
+
+    /// Writes the encoding to the start of `out` (room for either kind of header);
+    /// returns its length. Allocates nothing.
+    pub fn write_to(&self, out: &mut [u8; UNTAGGED_LEN]) -> usize {
+        let mut at = 0;
+        let mut put = |b: &[u8]| {
+            out[at..at + b.len()].copy_from_slice(b);
+            at += b.len();
+        };
         let ctrl = |tagged: bool, last: bool, op: u8| -> u16 {
             (if tagged { FLAG_TAGGED } else { 0 })
                 | (if last { FLAG_LAST } else { 0 })
@@ -155,9 +168,9 @@ impl Header {
                 stag,
                 to,
             } => {
-                out.extend_from_slice(&ctrl(true, last, opcode).to_be_bytes());
-                out.extend_from_slice(&stag.to_be_bytes());
-                out.extend_from_slice(&to.to_be_bytes());
+                put(&ctrl(true, last, opcode).to_be_bytes());
+                put(&stag.to_be_bytes());
+                put(&to.to_be_bytes());
             }
             Header::Untagged {
                 last,
@@ -167,13 +180,14 @@ impl Header {
                 msn,
                 mo,
             } => {
-                out.extend_from_slice(&ctrl(false, last, opcode).to_be_bytes());
-                out.extend_from_slice(&ulp.to_be_bytes());
-                out.extend_from_slice(&qn.to_be_bytes());
-                out.extend_from_slice(&msn.to_be_bytes());
-                out.extend_from_slice(&mo.to_be_bytes());
+                put(&ctrl(false, last, opcode).to_be_bytes());
+                put(&ulp.to_be_bytes());
+                put(&qn.to_be_bytes());
+                put(&msn.to_be_bytes());
+                put(&mo.to_be_bytes());
             }
         }
+        at
     }
 
     /// The header length announced by the first two ULPDU bytes (the control field).
