@@ -17,7 +17,9 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use fabric_api::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use mio::Token;
