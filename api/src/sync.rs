@@ -34,7 +34,6 @@ mod request {
     /// `_VG_USERREQ__HG_ARANGE_MAKE_UNTRACKED` (`VALGRIND_HG_DISABLE_CHECKING`).
     pub(super) const UNTRACKED: usize = HG_BASE + 256 + 39;
     /// `VG_USERREQ__RUNNING_ON_VALGRIND`.
-    #[cfg(test)]
     pub(super) const RUNNING_ON_VALGRIND: usize = 0x1001;
 
     /// Issues client request `code` with one argument; returns valgrind's answer, or 0
@@ -114,6 +113,58 @@ pub fn atomic_only<T: Sync>(atomic: &T) {
         addr(atomic),
         std::mem::size_of_val(atomic),
     );
+}
+
+/// Whether the program runs under valgrind (`RUNNING_ON_VALGRIND`).
+#[inline(always)]
+fn on_valgrind() -> bool {
+    request::one(request::RUNNING_ON_VALGRIND, 0) != 0
+}
+
+/// The identity of one direction of a TCP connection (`from` sends, `to` receives), the
+/// same in both of its endpoints' processes: a hash of the two addresses with the top bit
+/// set (never a heap address, so it never meets a lock's edges).
+fn stream_tag(from: std::net::SocketAddr, to: std::net::SocketAddr) -> usize {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    (from, to).hash(&mut h);
+    (h.finish() as usize) | 1 << (usize::BITS - 1)
+}
+
+/// The connected TCP socket `fd`'s local and peer addresses; `None` for anything else
+/// (only asked under valgrind: two system calls and a duplicate descriptor).
+fn stream_ends(
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> Option<(std::net::SocketAddr, std::net::SocketAddr)> {
+    let s = std::net::TcpStream::from(fd.try_clone_to_owned().ok()?);
+    Some((s.local_addr().ok()?, s.peer_addr().ok()?))
+}
+
+/// Tells helgrind, before a send on the stream socket `fd`, that what this thread did so
+/// far happens before the peer's receive of these bytes: the kernel orders a send before
+/// the receive that returns its bytes (loopback between two endpoints of one process, as
+/// the conformance suite runs them), which helgrind does not know. Outside valgrind it
+/// costs one client request (a few instructions).
+#[inline(always)]
+pub fn stream_sending(fd: std::os::fd::BorrowedFd<'_>) {
+    if on_valgrind() {
+        if let Some((local, peer)) = stream_ends(fd) {
+            request::one(request::SEND_PRE, stream_tag(local, peer));
+        }
+    }
+}
+
+/// The other end of [`stream_sending`]: after a receive on `fd` that returned bytes
+/// (`got`), everything the peer's sends did before sending happens before what follows.
+/// (It joins every send so far on that direction of the connection, including any whose
+/// bytes this receive did not reach yet: a slight over-approximation.)
+#[inline(always)]
+pub fn stream_received(fd: std::os::fd::BorrowedFd<'_>, got: bool) {
+    if got && on_valgrind() {
+        if let Some((local, peer)) = stream_ends(fd) {
+            request::one(request::RECV_POST, stream_tag(peer, local));
+        }
+    }
 }
 
 /// Makes valgrind forget the edges recorded on `obj`'s address, so that an object later

@@ -289,6 +289,7 @@ fn progress(h: &mut HalfOpen) -> Progress {
             }
             let header: [u8; mpa::HEADER_LEN] =
                 h.buf[..mpa::HEADER_LEN].try_into().expect("header");
+            fabric_api::sync::stream_received(std::os::fd::AsFd::as_fd(&h.sock), true);
             return match MpaFrame::decode_header(&header, false) {
                 Ok((mut frame, _)) => {
                     frame.private_data = h.buf[mpa::HEADER_LEN..].to_vec();

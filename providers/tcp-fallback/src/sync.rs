@@ -51,12 +51,19 @@ pub(crate) trait Flag {
     fn raised(&self) -> bool;
 }
 
+// The note orders the raiser's work before the run that takes it; helgrind is told so
+// (`fabric_api::sync`), as it does not see atomics as synchronisation.
 impl Flag for std::sync::atomic::AtomicBool {
     fn raise(&self) {
+        fabric_api::sync::happens_before(self);
         self.swap(true, Ordering::SeqCst);
     }
     fn take(&self) -> bool {
-        self.swap(false, Ordering::SeqCst)
+        let taken = self.swap(false, Ordering::SeqCst);
+        if taken {
+            fabric_api::sync::happens_after(self);
+        }
+        taken
     }
     fn raised(&self) -> bool {
         self.load(Ordering::SeqCst)

@@ -1283,6 +1283,7 @@ impl Conn {
     /// One non-blocking `send` of `bytes`; how many the socket took (none on an error:
     /// the receive side sees the broken stream and fails the endpoint).
     fn send_now(&self, bytes: &[u8]) -> usize {
+        fabric_api::sync::stream_sending(std::os::fd::AsFd::as_fd(&self.sock));
         match socket2::SockRef::from(&self.sock)
             .send_with_flags(bytes, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
         {
