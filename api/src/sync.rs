@@ -612,6 +612,31 @@ mod tests {
         assert_eq!(*l.read().unwrap(), vec![1, 2]);
     }
 
+    /// The annotations' cost outside valgrind, uncontended lock and unlock pairs (run with
+    /// `cargo test -p fabric-api --release --lib annotation_cost -- --ignored --nocapture`).
+    #[test]
+    #[ignore = "a measurement: prints nanoseconds per lock and unlock pair"]
+    fn annotation_cost() {
+        use std::hint::black_box;
+        use std::time::Instant;
+        const N: u32 = 20_000_000;
+        let std_m = std::sync::Mutex::new(0u64);
+        let ours = Mutex::new(0u64);
+        for round in 0..3 {
+            let t = Instant::now();
+            for _ in 0..N {
+                *black_box(&std_m).lock().unwrap() += 1;
+            }
+            let s = t.elapsed().as_secs_f64() * 1e9 / f64::from(N);
+            let t = Instant::now();
+            for _ in 0..N {
+                *black_box(&ours).lock().unwrap() += 1;
+            }
+            let o = t.elapsed().as_secs_f64() * 1e9 / f64::from(N);
+            println!("round {round}: std::sync::Mutex {s:.2} ns, fabric_api::sync::Mutex {o:.2} ns per pair");
+        }
+    }
+
     #[test]
     fn channel_behaves_as_std() {
         let (tx, rx) = mpsc::channel();
