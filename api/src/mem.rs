@@ -554,6 +554,7 @@ impl Buffer {
         if !tail.is_empty() {
             merge(i, 0, tail);
         }
+        crate::sync::placed(self); // before the exclusive owner's next look, for helgrind
     }
 
     /// Copies `len` bytes at `offset` out into a new vector.
@@ -662,6 +663,7 @@ impl Buffer {
             // would (module docs); the second is `spill`, borrowed mutably for the call.
             let n = unsafe { libc::recvmsg(fd.as_raw_fd(), &mut msg, flags) };
             crate::sync::stream_received(fd, n > 0); // the sends before these bytes, for helgrind
+            crate::sync::placed(self); // the kernel's placement, as `write`'s
             if n >= 0 {
                 return Ok(n as usize);
             }

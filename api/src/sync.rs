@@ -171,6 +171,25 @@ pub fn stream_received(fd: std::os::fd::BorrowedFd<'_>, got: bool) {
     }
 }
 
+/// Registered memory, for helgrind: what has been placed into `buffer` so far (by
+/// [`Buffer::write`](crate::Buffer::write) or a socket receive into it) happens before
+/// whatever its owner does once it holds the buffer exclusively again ([`owned_again`]).
+/// The real edge is the `Arc<Buffer>` reference count: every placer drops its reference
+/// with a release decrement, and `Arc::try_unwrap` succeeds with an acquire, neither of
+/// which helgrind sees. Keyed on the buffer's memory, which never moves.
+#[inline(always)]
+pub(crate) fn placed(buffer: &crate::Buffer) {
+    request::one(request::SEND_PRE, buffer.as_mut_ptr() as usize);
+}
+
+/// The other end of the placement edge (see `placed`): call it once `buffer` is owned
+/// exclusively again (`Arc::try_unwrap` or `Arc::get_mut` succeeded; `MemoryRegion::
+/// into_buffer` calls it): every placement into it happens before what follows.
+#[inline(always)]
+pub fn owned_again(buffer: &crate::Buffer) {
+    request::one(request::RECV_POST, buffer.as_mut_ptr() as usize);
+}
+
 /// Makes valgrind forget the edges recorded on `obj`'s address, so that an object later
 /// allocated there starts with none. The locks here call it when dropped.
 #[inline(always)]
