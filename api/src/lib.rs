@@ -15,7 +15,8 @@
 //! as below.
 //!
 //! `unsafe` code lives in [`mem`], the audited module that owns registered memory (and in
-//! one `poll(2)` call, [`notify::wait_readable`]): [`Buffer`] is an allocation with a stable
+//! one `poll(2)` call, [`notify::wait_readable`], and in [`sync`]'s valgrind client
+//! requests, which annotate its locks for the race detector): [`Buffer`] is an allocation with a stable
 //! address (the framework's own, page-aligned, or memory the application handed over: a
 //! `Vec`, huge pages, a foreign allocator's), shared by its region and by every operation in
 //! flight, and read and written from Rust only through 64-bit atomic copies
@@ -109,6 +110,7 @@ pub mod notify;
 pub mod pdata;
 pub mod region;
 pub mod spi;
+pub mod sync;
 pub mod wr;
 
 pub use caps::{Availability, Capabilities, DeviceInfo, Emulation, Limits, OpSet, ProviderInfo};

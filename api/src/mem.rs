@@ -554,6 +554,7 @@ impl Buffer {
         if !tail.is_empty() {
             merge(i, 0, tail);
         }
+        crate::sync::placed(self); // before the exclusive owner's next look, for helgrind
     }
 
     /// Copies `len` bytes at `offset` out into a new vector.
@@ -661,6 +662,8 @@ impl Buffer {
             // allocated for the call (`&self`) and which the kernel writes as a DMA engine
             // would (module docs); the second is `spill`, borrowed mutably for the call.
             let n = unsafe { libc::recvmsg(fd.as_raw_fd(), &mut msg, flags) };
+            crate::sync::stream_received(fd, n > 0); // the sends before these bytes, for helgrind
+            crate::sync::placed(self); // the kernel's placement, as `write`'s
             if n >= 0 {
                 return Ok(n as usize);
             }
@@ -758,6 +761,7 @@ pub fn send_gather(
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
     msg.msg_iovlen = n as _;
+    crate::sync::stream_sending(fd); // what happened so far precedes the peer's receive
     loop {
         // SAFETY: every iovec names memory that is valid for reading for the whole call
         // (slices borrowed by `pieces`, or buffer ranges checked above and kept alive by

@@ -12,8 +12,9 @@
 use std::collections::VecDeque;
 use std::io::{self, PipeReader, PipeWriter, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 
+use crate::sync::Mutex;
 use crate::{EndpointState, Error, Result};
 
 /// A level with a file descriptor that is readable while it is raised.
@@ -56,7 +57,7 @@ impl Notifier {
         Self::default()
     }
 
-    fn level(&self) -> std::sync::MutexGuard<'_, Level> {
+    fn level(&self) -> crate::sync::MutexGuard<'_, Level> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -177,7 +178,7 @@ impl EndpointEvents {
         Self::default()
     }
 
-    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<EndpointEvent>> {
+    fn queue(&self) -> crate::sync::MutexGuard<'_, VecDeque<EndpointEvent>> {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 

@@ -264,7 +264,7 @@ impl MemoryRegion {
                     ..
                 } = inner;
                 drop(registration); // the provider releases its registration first
-                Arc::try_unwrap(buffer)
+                Arc::try_unwrap(buffer).inspect(crate::sync::owned_again)
             }
             Err(inner) => Err(inner.buffer.clone()),
         }

@@ -566,6 +566,7 @@ fn serve(args: &[String]) -> Result<(), String> {
             while std::io::stdin().read_line(&mut sink).is_ok_and(|n| n > 0) {
                 sink.clear();
             }
+            fabric::sync::atomic_only(&*closed); // publishes nothing but itself
             closed.store(true, Ordering::Release);
         });
     }

@@ -1,11 +1,11 @@
 //! Running cases: provider availability, the unsupported check, timeouts, and the helpers
 //! cases are written with.
 
+use fabric::sync::mpsc;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -341,6 +341,7 @@ fn connect_accept(
     let (c, s) = std::thread::scope(|s| {
         let h = s.spawn(|| {
             let r = client.connect(addr, client_cfg);
+            fabric::sync::atomic_only(&connect_failed); // publishes nothing: the join orders
             connect_failed.store(r.is_err(), Ordering::Release);
             r
         });

@@ -17,10 +17,10 @@
 //!
 //! `--recv N` sets how many receives it keeps posted (0: none, so sends to it wait).
 
+use fabric::sync::mpsc;
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::Duration;
 
 use fabric::prelude::*;

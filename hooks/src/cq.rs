@@ -5,7 +5,9 @@ use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use fabric_api::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use fabric_api::spi::CompletionQueue;

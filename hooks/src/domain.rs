@@ -4,7 +4,9 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use fabric_api::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use fabric_api::spi::{CompletionQueue, Connecting, Domain, Endpoint, EndpointConfig, Listener};

@@ -4,7 +4,9 @@
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
+
+use fabric_api::sync::Mutex;
 
 use fabric_api::spi::Endpoint;
 use fabric_api::{

@@ -4,7 +4,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use fabric::sync::{Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -1045,6 +1047,7 @@ impl Drop for RdmEndpoint {
     fn drop(&mut self) {
         let linger = lock(&self.inner).cfg.linger;
         let _ = self.close(linger);
+        fabric::sync::atomic_only(&*self.stop); // publishes nothing: the join orders
         self.stop.store(true, Ordering::Release);
         if let Some(h) = self.acceptor.take() {
             let _ = h.join();

@@ -11,8 +11,10 @@
 //! endpoint's lock, and the drain took the lock again: a self-deadlock. The case runs
 //! under its own watchdog and reports a hang as one, naming the step.
 
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use fabric::sync::mpsc;
+use std::sync::Arc;
+
+use fabric::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use fabric::prelude::*;

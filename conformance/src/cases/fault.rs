@@ -485,6 +485,7 @@ fn deregister_while_writing(ctx: &Ctx) -> CaseResultOf {
             }
         }
     };
+    fabric::sync::owned_again(&buf); // after every placement, by the Arc's count (helgrind)
     let exclusive = t.elapsed();
     let snap = buf.to_vec(0, buf.len());
     // The writer's verdict.

@@ -1,10 +1,10 @@
 //! Section 9: reliable datagram endpoints and tagged messages (`fabric-rdm`), on every
 //! provider. Multi-process cases start their peers as `fabric rdm-peer` processes.
 
+use fabric::sync::mpsc;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::process::Child;
-use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

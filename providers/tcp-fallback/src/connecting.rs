@@ -162,6 +162,7 @@ impl TcpConnecting {
         else {
             return Err(invalid());
         };
+        fabric_api::sync::stream_sending(sock.as_fd());
         while *sent < out.len() {
             match (&*sock).write(&out[*sent..]) {
                 Ok(n) => *sent += n,
@@ -186,6 +187,7 @@ impl TcpConnecting {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e.into()),
             }
+            fabric_api::sync::stream_received(sock.as_fd(), true);
             if got.len() == mpa::HEADER_LEN && *need == mpa::HEADER_LEN {
                 let header: [u8; mpa::HEADER_LEN] = got[..].try_into().expect("header");
                 let (_, pd_len) = MpaFrame::decode_header(&header, true)?;

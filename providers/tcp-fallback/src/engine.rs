@@ -253,6 +253,7 @@ impl<P: Poller> PollSet<P> {
     }
 
     fn mark_driven(&self) {
+        fabric_api::sync::atomic_only(&self.driven_at); // a hint: publishes nothing
         self.driven_at.store(now_ns().max(1), Ordering::Relaxed);
     }
 

@@ -5,7 +5,9 @@
 //! down (Terminate), so guessing costs a reconnect per try.
 
 use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
+
+use fabric_api::sync::RwLock;
 
 use fabric_api::{Access, Buffer, Registration};
 

@@ -14,7 +14,9 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
+
+use fabric_api::sync::{Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -53,7 +55,7 @@ pub(crate) struct Ready {
 }
 
 impl Ready {
-    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<Incoming>> {
+    fn queue(&self) -> fabric_api::sync::MutexGuard<'_, VecDeque<Incoming>> {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -146,6 +148,7 @@ impl Drop for Acceptor {
     fn drop(&mut self) {
         // The thread sees the flag at its next wake-up; it closes the listening socket and
         // every half-open connection as it returns.
+        fabric_api::sync::atomic_only(&*self.stop); // publishes nothing: the join orders
         self.stop.store(true, Ordering::Release);
         let _ = self.waker.wake();
         if let Some(t) = self.thread.take() {
@@ -286,6 +289,7 @@ fn progress(h: &mut HalfOpen) -> Progress {
             }
             let header: [u8; mpa::HEADER_LEN] =
                 h.buf[..mpa::HEADER_LEN].try_into().expect("header");
+            fabric_api::sync::stream_received(std::os::fd::AsFd::as_fd(&h.sock), true);
             return match MpaFrame::decode_header(&header, false) {
                 Ok((mut frame, _)) => {
                     frame.private_data = h.buf[mpa::HEADER_LEN..].to_vec();

@@ -258,6 +258,7 @@ pub(crate) fn respond(
         }
         .encode(),
     };
+    fabric_api::sync::stream_sending(std::os::fd::AsFd::as_fd(&*sock));
     sock.write_all(&rep.encode())?;
     Ok(Negotiated {
         // An initiator offering version 1 speaks every feature: ours are what both use.

@@ -21,17 +21,19 @@ pub(crate) use loom::sync::atomic::AtomicUsize;
 pub(crate) use loom::sync::Mutex;
 #[cfg(not(loom))]
 pub(crate) use std::sync::atomic::AtomicUsize;
+// std's, annotated for valgrind's race detector (`fabric_api::sync`).
 #[cfg(not(loom))]
-pub(crate) use std::sync::Mutex;
+pub(crate) use fabric_api::sync::Mutex;
 
-/// A mutex that can be tried without blocking: std's, and a loom one in the models.
+/// A mutex that can be tried without blocking: std's (annotated), and a loom one in the
+/// models.
 pub(crate) trait TryLock<T> {
     /// Runs `f` on the value unless another thread holds the lock (a poisoned lock counts
     /// as held: nobody makes progress on it any more).
     fn try_with<R>(&self, f: impl FnOnce(&mut T) -> R) -> Option<R>;
 }
 
-impl<T> TryLock<T> for std::sync::Mutex<T> {
+impl<T> TryLock<T> for fabric_api::sync::Mutex<T> {
     fn try_with<R>(&self, f: impl FnOnce(&mut T) -> R) -> Option<R> {
         self.try_lock().ok().map(|mut g| f(&mut g))
     }
@@ -49,12 +51,19 @@ pub(crate) trait Flag {
     fn raised(&self) -> bool;
 }
 
+// The note orders the raiser's work before the run that takes it; helgrind is told so
+// (`fabric_api::sync`), as it does not see atomics as synchronisation.
 impl Flag for std::sync::atomic::AtomicBool {
     fn raise(&self) {
+        fabric_api::sync::happens_before(self);
         self.swap(true, Ordering::SeqCst);
     }
     fn take(&self) -> bool {
-        self.swap(false, Ordering::SeqCst)
+        let taken = self.swap(false, Ordering::SeqCst);
+        if taken {
+            fabric_api::sync::happens_after(self);
+        }
+        taken
     }
     fn raised(&self) -> bool {
         self.load(Ordering::SeqCst)

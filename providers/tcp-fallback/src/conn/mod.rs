@@ -17,7 +17,9 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use fabric_api::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use mio::Token;
@@ -1316,6 +1318,7 @@ impl Conn {
     /// One non-blocking `send` of `bytes`; how many the socket took (none on an error:
     /// the receive side sees the broken stream and fails the endpoint).
     fn send_now(&self, bytes: &[u8]) -> usize {
+        fabric_api::sync::stream_sending(std::os::fd::AsFd::as_fd(&self.sock));
         match socket2::SockRef::from(&self.sock)
             .send_with_flags(bytes, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
         {

@@ -335,6 +335,7 @@ impl Conn {
                 }
                 Ok(0) => return Err(RxEnd::Eof),
                 Ok(n) => {
+                    fabric_api::sync::stream_received(self.sock.as_fd(), true);
                     rx.end += n;
                     drained = n < room;
                 }
