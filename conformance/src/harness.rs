@@ -120,13 +120,18 @@ pub struct Wire {
 /// `FABRIC_SOFT_RDMA_RXE_WIRE_PEER_ADDR`; `Ok(None)` when none is, an error when one is
 /// malformed.
 pub fn wire_of(provider: &str) -> Result<Option<Wire>, String> {
+    wire_from(provider, |var| std::env::var(var).ok())
+}
+
+/// [`wire_of`] with the variables read through `get`.
+fn wire_from(provider: &str, get: impl Fn(&str) -> Option<String>) -> Result<Option<Wire>, String> {
     let parse = |var: &str, text: &str| {
         text.trim()
             .parse::<IpAddr>()
             .map_err(|e| format!("{var}: {text:?} is not an IP address: {e}"))
     };
     let var = format!("{ENV_WIRE_PREFIX}{}", provider.to_uppercase());
-    if let Ok(v) = std::env::var(&var) {
+    if let Some(v) = get(&var) {
         let (a, b) = v
             .split_once(',')
             .ok_or_else(|| format!("{var}={v:?}: expected INITIATOR_ADDR,TARGET_ADDR"))?;
@@ -141,8 +146,8 @@ pub fn wire_of(provider: &str) -> Result<Option<Wire>, String> {
     }
     const A: &str = "FABRIC_SOFT_RDMA_RXE_WIRE_ADDR";
     const B: &str = "FABRIC_SOFT_RDMA_RXE_WIRE_PEER_ADDR";
-    match (std::env::var(A), std::env::var(B)) {
-        (Ok(a), Ok(b)) => Ok(Some(Wire {
+    match (get(A), get(B)) {
+        (Some(a), Some(b)) => Ok(Some(Wire {
             initiator: parse(A, &a)?,
             target: parse(B, &b)?,
             source: format!("{A}, {B}"),
@@ -850,6 +855,52 @@ fn hang_diagnosis(case: &str, tid: Option<u32>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wire_from_the_environment() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |var: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == var)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let guest = env(&[
+            ("FABRIC_SOFT_RDMA_RXE_WIRE_ADDR", "192.168.79.1"),
+            ("FABRIC_SOFT_RDMA_RXE_WIRE_PEER_ADDR", "192.168.79.2"),
+        ]);
+        let w = wire_from("roce", guest).unwrap().expect("the guest's wire");
+        assert_eq!(w.initiator, IpAddr::from([192, 168, 79, 1]));
+        assert_eq!(w.target, IpAddr::from([192, 168, 79, 2]));
+        // The guest's rxe wire is roce's only.
+        assert_eq!(wire_from("tcp", guest).unwrap(), None);
+        assert_eq!(wire_from("iwarp", guest).unwrap(), None);
+        assert_eq!(wire_from("roce", env(&[])).unwrap(), None);
+        // The provider's own variable wins.
+        let own = env(&[
+            ("FABRIC_CONFORMANCE_WIRE_ROCE", "10.0.0.1, 10.0.0.2"),
+            ("FABRIC_SOFT_RDMA_RXE_WIRE_ADDR", "192.168.79.1"),
+            ("FABRIC_SOFT_RDMA_RXE_WIRE_PEER_ADDR", "192.168.79.2"),
+        ]);
+        let w = wire_from("roce", own).unwrap().expect("configured");
+        assert_eq!(
+            (w.initiator, w.target, w.source.as_str()),
+            (
+                IpAddr::from([10, 0, 0, 1]),
+                IpAddr::from([10, 0, 0, 2]),
+                "FABRIC_CONFORMANCE_WIRE_ROCE"
+            )
+        );
+        // Malformed: an error naming the variable, never a silent fallback.
+        for bad in [
+            &[("FABRIC_CONFORMANCE_WIRE_TCP", "127.0.0.1")][..],
+            &[("FABRIC_CONFORMANCE_WIRE_TCP", "127.0.0.1,nowhere")][..],
+        ] {
+            let e = wire_from("tcp", env(bad)).unwrap_err();
+            assert!(e.contains("FABRIC_CONFORMANCE_WIRE_TCP"), "{e}");
+        }
+    }
 
     #[test]
     fn a_hang_names_where_the_thread_sleeps() {
