@@ -44,7 +44,7 @@ fn scenario(name: &str) -> (&'static str, &'static str) {
             "RemoteAccess < 5 s",
         ),
         "fault.silent_peer_host" => (
-            "the peer host goes silent (nftables drops its packets) with an RDMA Read outstanding: the Read fails RetryExceeded",
+            "the peer host goes silent (nftables drops its packets; roce in the soft-RDMA guest: rxe1 to a peer on rxe2 across a veth pair, as rxe's in-kernel loopback between queue pairs of one device passes no filter) with an RDMA Read outstanding: the Read fails RetryExceeded",
             "the initiator's dead-peer bound: tcp and iwarp 10 s (dead_peer_timeout_ms), roce 1.879 s (ACK timeout x retries); + max(1 s, 25 %) timer slack",
         ),
         "conn.peer_killed_mid_transfer" => (

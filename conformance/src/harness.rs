@@ -93,6 +93,69 @@ fn bind_addr(provider: &str) -> IpAddr {
     .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
 }
 
+/// Environment variable prefix: `FABRIC_CONFORMANCE_WIRE_<PROVIDER>=A,B` names two local
+/// addresses of that provider whose traffic to each other crosses the network stack (see
+/// [`Wire`]).
+pub const ENV_WIRE_PREFIX: &str = "FABRIC_CONFORMANCE_WIRE_";
+
+/// Two addresses of one provider whose traffic to each other crosses the network stack,
+/// for cases whose peer must be another host as far as the packets go
+/// (`fault.silent_peer_host` drops the peer's packets with nftables). Two queue pairs of one
+/// soft-RoCE device talk through rxe's in-kernel loopback, which no packet filter sees; the
+/// soft-RDMA guest (`scripts/soft-rdma`) has rxe1 and rxe2 on the two ends of a veth pair
+/// for this.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wire {
+    /// The initiating side's address (its domain is opened on the device holding it).
+    pub initiator: IpAddr,
+    /// The target side's address: the peer host, where the target's domain is opened and
+    /// listens.
+    pub target: IpAddr,
+    /// Where the addresses came from (environment variable names), for reports.
+    pub source: String,
+}
+
+/// The wire configured for `provider`: `FABRIC_CONFORMANCE_WIRE_<PROVIDER>=A,B`, else, for
+/// roce, the soft-RDMA guest's `FABRIC_SOFT_RDMA_RXE_WIRE_ADDR` and
+/// `FABRIC_SOFT_RDMA_RXE_WIRE_PEER_ADDR`; `Ok(None)` when none is, an error when one is
+/// malformed.
+pub fn wire_of(provider: &str) -> Result<Option<Wire>, String> {
+    wire_from(provider, |var| std::env::var(var).ok())
+}
+
+/// [`wire_of`] with the variables read through `get`.
+fn wire_from(provider: &str, get: impl Fn(&str) -> Option<String>) -> Result<Option<Wire>, String> {
+    let parse = |var: &str, text: &str| {
+        text.trim()
+            .parse::<IpAddr>()
+            .map_err(|e| format!("{var}: {text:?} is not an IP address: {e}"))
+    };
+    let var = format!("{ENV_WIRE_PREFIX}{}", provider.to_uppercase());
+    if let Some(v) = get(&var) {
+        let (a, b) = v
+            .split_once(',')
+            .ok_or_else(|| format!("{var}={v:?}: expected INITIATOR_ADDR,TARGET_ADDR"))?;
+        return Ok(Some(Wire {
+            initiator: parse(&var, a)?,
+            target: parse(&var, b)?,
+            source: var,
+        }));
+    }
+    if provider != "roce" {
+        return Ok(None);
+    }
+    const A: &str = "FABRIC_SOFT_RDMA_RXE_WIRE_ADDR";
+    const B: &str = "FABRIC_SOFT_RDMA_RXE_WIRE_PEER_ADDR";
+    match (get(A), get(B)) {
+        (Some(a), Some(b)) => Ok(Some(Wire {
+            initiator: parse(A, &a)?,
+            target: parse(B, &b)?,
+            source: format!("{A}, {B}"),
+        })),
+        _ => Ok(None),
+    }
+}
+
 fn provider_info(name: &str) -> ProviderInfo {
     discover()
         .into_iter()
@@ -103,11 +166,23 @@ fn provider_info(name: &str) -> ProviderInfo {
 /// Opens a domain on `name` with the provider options of the environment's configuration
 /// (`FABRIC_CONFIG`), so the suite tests what applications get.
 fn open_domain(name: &str) -> Result<AnyDomain, String> {
+    open_domain_at(name, None)
+}
+
+/// [`open_domain`] on the device holding `addr` (the `address` key of the provider's
+/// section; tcp has none: its endpoints take their address from the listener and the
+/// route).
+fn open_domain_at(name: &str, addr: Option<IpAddr>) -> Result<AnyDomain, String> {
+    let at = addr.map_or(String::new(), |a| format!(" at {a}"));
     Selector::from_env()
+        .and_then(|s| match addr {
+            Some(a) if name != "tcp" => s.config_str(&format!("[{name}]\naddress = \"{a}\"\n")),
+            _ => Ok(s),
+        })
         .and_then(|s| s.providers(name))
         .and_then(|s| s.open())
         .map(|(d, _)| d)
-        .map_err(|e| format!("opening a {name} domain: {e}"))
+        .map_err(|e| format!("opening a {name} domain{at}: {e}"))
 }
 
 thread_local! {
@@ -196,10 +271,37 @@ impl Ctx {
         self.pair_with(PairOpts::default())
     }
 
+    /// The wire configured for this context's provider ([`wire_of`]); `None` for a mixed
+    /// pair, whose two providers cannot share one.
+    pub fn wire(&self) -> Result<Option<Wire>, String> {
+        if self.is_mixed() {
+            return Ok(None);
+        }
+        wire_of(&self.provider)
+    }
+
+    /// Two endpoints connected across `wire`: the connecting one in a domain on the
+    /// initiator's address, the accepting one in a domain on the target's address,
+    /// listening there; default options.
+    pub fn wire_pair(&self, wire: &Wire) -> Result<Pair, String> {
+        let da = open_domain_at(&self.initiator, Some(wire.initiator))?;
+        let db = open_domain_at(&self.target, Some(wire.target))?;
+        self.pair_in(da, db, wire.target, PairOpts::default())
+    }
+
     /// Two connected endpoints with `opts`.
     pub fn pair_with(&self, opts: PairOpts) -> Result<Pair, String> {
-        let da = self.domain()?;
-        let db = self.target_domain()?;
+        self.pair_in(self.domain()?, self.target_domain()?, self.bind, opts)
+    }
+
+    /// Two connected endpoints, `a` in `da` connecting to a listener of `db` on `listen`.
+    fn pair_in(
+        &self,
+        da: AnyDomain,
+        db: AnyDomain,
+        listen: IpAddr,
+        opts: PairOpts,
+    ) -> Result<Pair, String> {
         let cqa = da
             .create_cq(opts.cq_capacity)
             .map_err(|e| format!("create_cq: {e}"))?;
@@ -207,7 +309,7 @@ impl Ctx {
             .create_cq(opts.cq_capacity)
             .map_err(|e| format!("create_cq: {e}"))?;
         let listener = db
-            .listen(self.any_port())
+            .listen(SocketAddr::new(listen, 0))
             .map_err(|e| format!("listen: {e}"))?;
         let mut cfg_a = EndpointConfig::new(&cqa);
         cfg_a.sq_depth = opts.sq_depth;
@@ -754,6 +856,52 @@ fn hang_diagnosis(case: &str, tid: Option<u32>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wire_from_the_environment() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |var: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == var)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let guest = env(&[
+            ("FABRIC_SOFT_RDMA_RXE_WIRE_ADDR", "192.168.79.1"),
+            ("FABRIC_SOFT_RDMA_RXE_WIRE_PEER_ADDR", "192.168.79.2"),
+        ]);
+        let w = wire_from("roce", guest).unwrap().expect("the guest's wire");
+        assert_eq!(w.initiator, IpAddr::from([192, 168, 79, 1]));
+        assert_eq!(w.target, IpAddr::from([192, 168, 79, 2]));
+        // The guest's rxe wire is roce's only.
+        assert_eq!(wire_from("tcp", guest).unwrap(), None);
+        assert_eq!(wire_from("iwarp", guest).unwrap(), None);
+        assert_eq!(wire_from("roce", env(&[])).unwrap(), None);
+        // The provider's own variable wins.
+        let own = env(&[
+            ("FABRIC_CONFORMANCE_WIRE_ROCE", "10.0.0.1, 10.0.0.2"),
+            ("FABRIC_SOFT_RDMA_RXE_WIRE_ADDR", "192.168.79.1"),
+            ("FABRIC_SOFT_RDMA_RXE_WIRE_PEER_ADDR", "192.168.79.2"),
+        ]);
+        let w = wire_from("roce", own).unwrap().expect("configured");
+        assert_eq!(
+            (w.initiator, w.target, w.source.as_str()),
+            (
+                IpAddr::from([10, 0, 0, 1]),
+                IpAddr::from([10, 0, 0, 2]),
+                "FABRIC_CONFORMANCE_WIRE_ROCE"
+            )
+        );
+        // Malformed: an error naming the variable, never a silent fallback.
+        for bad in [
+            &[("FABRIC_CONFORMANCE_WIRE_TCP", "127.0.0.1")][..],
+            &[("FABRIC_CONFORMANCE_WIRE_TCP", "127.0.0.1,nowhere")][..],
+        ] {
+            let e = wire_from("tcp", env(bad)).unwrap_err();
+            assert!(e.contains("FABRIC_CONFORMANCE_WIRE_TCP"), "{e}");
+        }
+    }
 
     #[test]
     fn a_hang_names_where_the_thread_sleeps() {

@@ -28,20 +28,25 @@
 //!   only this connection's listening port, always deleted afterwards) while a Read is
 //!   outstanding: the Read completes with an error, `RetryExceeded` expected, within the
 //!   initiating provider's documented dead-peer bound ([`dead_peer_bound`]). Needs root and
-//!   nf_tables; without them the case fails saying so. Where the drop rules do not silence
-//!   the peer (soft-RoCE delivers traffic between two queue pairs of one device inside the
-//!   kernel, never through netfilter), the case fails with what it observed, including the
-//!   rules' packet counters.
+//!   nf_tables; without them the case fails saying so. The peer must be another host as
+//!   far as the packets go: where a [`Wire`](crate::harness::Wire) is configured for the
+//!   provider (`FABRIC_CONFORMANCE_WIRE_<PROVIDER>`; for roce the soft-RDMA guest's rxe1
+//!   and rxe2 on the two ends of a veth pair), the pair is made across it, each end in a
+//!   domain on its own address. Where the drop rules do not silence the peer (without a
+//!   wire, soft-RoCE delivers traffic between two queue pairs of one device inside the
+//!   kernel, never through netfilter), the case fails with what it observed, including
+//!   the rules' packet counters.
 //!
 //! Observed (RELIABILITY.md has the figures of the last run): the silent peer's Read
 //! fails `RetryExceeded` after some 10.6 s on tcp (bound 10 s; the endpoint then reads
 //! `Disconnected`) and 9.6 s on iwarp (the verbs core's liveness probes; before them siw
 //! reported nothing within 30 s: TCP's retransmission limit, ~15 minutes; endpoint
-//! `Error`); on soft-RoCE the drop rules match no packet and the Read succeeds (two queue
-//! pairs of rxe0 talk through rxe's in-kernel loopback), so the RoCE bound cannot be
-//! measured in the guest. An iwarp peer of an endpoint closed with operations in flight
-//! read the close as `Error` rather than `Disconnected` in some runs (iwarp and
-//! tcp>iwarp), not in others.
+//! `Error`); on soft-RoCE across the guest's veth wire after some 2.05 s (bound 1.879 s;
+//! the rules dropped 7 packets: the Read Request and its 6 retries; endpoint `Error`).
+//! Without the wire the drop rules match no packet and the Read succeeds (two queue pairs
+//! of rxe0 talk through rxe's in-kernel loopback). An iwarp peer of an endpoint closed
+//! with operations in flight read the close as `Error` rather than `Disconnected` in some
+//! runs (iwarp and tcp>iwarp), not in others.
 //!
 //! Not repeated here: a peer process killed with operations outstanding
 //! (`conn.peer_killed_mid_transfer`), a peer process exiting (`conn.peer_exit_is_a_disconnect`),
@@ -704,7 +709,8 @@ fn remove_stale_tables() {
 
 impl Silence {
     /// Drops, at the input hook, every packet to or from `peer`'s address and port (TCP;
-    /// RoCE v2: every UDP packet to port 4791, which carries all queue pairs).
+    /// RoCE v2: every UDP packet to port 4791, which carries all queue pairs, to or from
+    /// `peer`'s address).
     fn start(peer: SocketAddr, roce: bool) -> Result<Self, String> {
         remove_stale_tables();
         let name = format!("fabric_fault_{}_{}", std::process::id(), peer.port());
@@ -714,7 +720,9 @@ impl Silence {
         };
         let p = peer.port();
         let rules = if roce {
-            "        udp dport 4791 counter drop\n".to_string()
+            format!(
+                "        {fam} daddr {a} udp dport 4791 counter drop\n        {fam} saddr {a} udp dport 4791 counter drop\n"
+            )
         } else {
             format!(
                 "        {fam} daddr {a} tcp dport {p} counter drop\n        {fam} saddr {a} tcp sport {p} counter drop\n"
@@ -760,7 +768,17 @@ impl Drop for Silence {
 }
 
 fn silent_peer_host(ctx: &Ctx) -> CaseResultOf {
-    let p = ctx.pair()?;
+    // The peer host must be another host as far as the packets go: across the configured
+    // wire where there is one (the soft-RDMA guest's rxe1 and rxe2 on a veth pair for
+    // roce), else the ordinary pair (tcp over loopback and siw over its netdev both pass
+    // netfilter; rxe's in-kernel loopback does not, which the failure then says).
+    let wire = ctx.wire()?;
+    let p = match &wire {
+        Some(w) => ctx
+            .wire_pair(w)
+            .map_err(|e| format!("the pair across the wire ({}): {e}", w.source))?,
+        None => ctx.pair()?,
+    };
     let remote = region(&p.db, 64 << 10, Access::REMOTE_READ)?;
     remote
         .buffer()
@@ -781,8 +799,16 @@ fn silent_peer_host(ctx: &Ctx) -> CaseResultOf {
     let took = t.elapsed();
     let dropped = silence.dropped();
     drop(silence);
+    let across = match &wire {
+        Some(w) => format!(
+            ", across the wire {} -> {} ({})",
+            w.initiator, w.target, w.source
+        ),
+        None => String::new(),
+    };
     let what = format!(
-        "peer {peer} silenced by nftables (input hook; the rules matched {dropped} packets)"
+        "peer {peer} silenced by nftables (input hook; the rules matched {dropped} \
+         packets){across}"
     );
     let c = match r {
         Ok(c) => c,
@@ -804,11 +830,17 @@ fn silent_peer_host(ctx: &Ctx) -> CaseResultOf {
             "{what}: the Read completed Success after {}: the drop rules did not silence the \
              peer{}",
             ms(took),
-            if roce {
-                " (soft-RoCE delivers traffic between queue pairs of one device inside the \
-                 kernel: rxe_net.c loopback, never through netfilter)"
-            } else {
-                ""
+            match (roce, &wire) {
+                (true, None) => format!(
+                    " (soft-RoCE delivers traffic between queue pairs of one device inside \
+                     the kernel: rxe_net.c loopback, never through netfilter; give the case \
+                     two addresses on two devices whose traffic crosses the network stack: \
+                     {}{}=INITIATOR_ADDR,TARGET_ADDR, which scripts/soft-rdma provides as \
+                     rxe1 and rxe2 on a veth pair)",
+                    crate::harness::ENV_WIRE_PREFIX,
+                    ctx.provider.to_uppercase()
+                ),
+                _ => String::new(),
             }
         ));
     }
