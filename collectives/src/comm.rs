@@ -20,6 +20,10 @@ const DESC_STEP: u64 = 3071;
 const RING_STEP: u64 = 3072;
 /// Largest group the write ring serves (its stages' steps fit in the tag).
 const MAX_WRITE_RING: usize = 512;
+/// The write ring reduces a segment this many bytes at a time (a multiple of every
+/// element size), so that the partial result stays in cache between the reduction and its
+/// copy into the registered buffer.
+const REDUCE_CHUNK: usize = 32 << 10;
 
 /// A step in flight (see [`Comm::start`]).
 #[derive(Debug)]
@@ -661,7 +665,7 @@ impl Comm {
         let mut todo: VecDeque<(usize, usize)> = (0..nseg).map(|k| (0, k)).collect();
         let mut writing = 0usize;
         let mut owed = 2 * stages * nseg; // every notification sent and received
-        let mut landed = Vec::new();
+        let mut chunk = vec![0u8; REDUCE_CHUNK.min(seg)];
         while owed > 0 || writing > 0 {
             while writing < self.cfg.write_window.max(1) {
                 let Some((t, k)) = todo.pop_front() else {
@@ -706,13 +710,24 @@ impl Comm {
             let (t, k) = (i / nseg, i % nseg);
             let range = part(recv_blk(t), k);
             if t < n - 1 && !range.is_empty() {
-                // Reduce-scatter: our partial op the one that landed, in the ring's order,
-                // then into `work` to be sent on.
-                landed.resize(range.len(), 0);
-                land.buffer().read(range.start, &mut landed);
-                let mine = &mut data[range.clone()];
-                reduce(dtype, op, mine, &landed, true);
-                work.buffer().write(range.start, mine);
+                // Reduce-scatter: the one that landed op our input, in the ring's order,
+                // straight into `work` to be sent on, a cache-sized chunk at a time (one
+                // pass over the landing buffer, the input and `work`). Each block is
+                // received once in the reduce-scatter, so `data` still holds our input
+                // there; only our own block, final after stage n-2, goes back into it.
+                let own = t == n - 2;
+                let mut at = range.start;
+                while at < range.end {
+                    let end = (at + REDUCE_CHUNK).min(range.end);
+                    let tmp = &mut chunk[..end - at];
+                    land.buffer().read(at, tmp);
+                    reduce(dtype, op, tmp, &data[at..end], false);
+                    work.buffer().write(at, tmp);
+                    if own {
+                        data[at..end].copy_from_slice(tmp);
+                    }
+                    at = end;
+                }
             } else if !range.is_empty() {
                 // Allgather: a final segment, written into `work` by the previous rank.
                 work.buffer().read(range.start, &mut data[range]);
