@@ -112,6 +112,9 @@ pub struct Comm {
     ring: Option<WriteRing>,
     /// The endpoint's eager size.
     eager_max: usize,
+    /// What [`Comm::finish`] reads a received segment into (kept to reuse its
+    /// allocation: a small step allocates nothing).
+    seg_buf: Vec<u8>,
 }
 
 /// The write ring's registered buffers on this rank and where they are on the next one.
@@ -165,6 +168,7 @@ impl Comm {
             polled: Vec::new(),
             ring: None,
             eager_max,
+            seg_buf: Vec::new(),
         })
     }
 
@@ -244,7 +248,8 @@ impl Comm {
         Ok(out)
     }
 
-    /// Segment size for a transfer of `len` bytes (at most 256 segments).
+    /// Segment size for a transfer of `len` bytes (at most 256 segments, a multiple of 8
+    /// bytes).
     ///
     /// A small transfer (up to [`CommConfig::eager_pieces_max`] and
     /// [`CommConfig::small_max`]) goes in segments of the endpoint's eager size: all in
@@ -255,7 +260,11 @@ impl Comm {
         } else {
             self.cfg.segment
         };
-        seg.max(1).max(len.div_ceil(256))
+        // Whole 8-byte words (so whole elements of every type: steps reduce segment by
+        // segment), and at most 256 segments (the tag's segment field).
+        (seg / 8 * 8)
+            .max(8)
+            .max(len.div_ceil(256).next_multiple_of(8))
     }
 
     /// Posts one step in segments (receives first, then sends, from a registered copy of
@@ -316,7 +325,8 @@ impl Comm {
     /// offset and bytes) to `on_seg` as it lands.
     fn finish(&mut self, p: Pending, mut on_seg: impl FnMut(usize, &[u8])) -> Result<()> {
         let (mut sends, mut recvs) = (p.sends, p.recvs);
-        let mut tmp = Vec::new();
+        // Reused between steps (a small step allocates nothing); an error drops it.
+        let mut tmp = std::mem::take(&mut self.seg_buf);
         let spin = p.rlen.max(p.slen) <= self.cfg.small_max;
         while sends + recvs > 0 {
             let c = self.next(spin)?;
@@ -342,6 +352,7 @@ impl Comm {
                 sends -= 1;
             }
         }
+        self.seg_buf = tmp;
         Ok(())
     }
 
@@ -741,6 +752,8 @@ impl Comm {
 
     /// Recursive doubling; a non-power-of-two group first folds its extra ranks in. Each
     /// pair computes `lower rank's value op higher rank's value`, so both hold the same bits.
+    /// Each step reduces the partner's data as it is read out of the receive buffer (our
+    /// own left for the send first), so a call allocates nothing once the buffers grew.
     fn recursive_doubling(&mut self, data: &mut [u8], dtype: DataType, op: ReduceOp) -> Result<()> {
         let (n, r) = (self.size(), self.rank);
         let p2 = 1 << (usize::BITS - 1 - n.leading_zeros());
@@ -749,11 +762,14 @@ impl Comm {
         // Fold: among the first 2*rem ranks, even ones hand their data to the odd one above.
         let newrank = if r < 2 * rem {
             if r % 2 == 0 {
-                self.step(0, Some((r + 1, data)), None)?;
+                let p = self.start(0, 0, Some((r + 1, data)), None)?;
+                self.finish(p, |_, _| {})?;
                 None
             } else {
-                let got = self.step(0, None, Some((r - 1, len)))?;
-                reduce(dtype, op, data, &got, true);
+                let p = self.start(0, 0, None, Some((r - 1, len)))?;
+                self.finish(p, |off, d| {
+                    reduce(dtype, op, &mut data[off..off + d.len()], d, true)
+                })?;
                 Some(r / 2)
             }
         } else {
@@ -766,8 +782,11 @@ impl Comm {
             while mask < p2 {
                 let pn = nr ^ mask;
                 let partner = real(pn);
-                let got = self.step(k, Some((partner, data)), Some((partner, len)))?;
-                reduce(dtype, op, data, &got, pn < nr);
+                // `start` copies `data` out for the send before anything is received.
+                let p = self.start(k, k, Some((partner, data)), Some((partner, len)))?;
+                self.finish(p, |off, d| {
+                    reduce(dtype, op, &mut data[off..off + d.len()], d, pn < nr)
+                })?;
                 mask <<= 1;
                 k += 1;
             }
@@ -775,10 +794,11 @@ impl Comm {
         // Unfold: odd ranks give the result back.
         if r < 2 * rem {
             if r % 2 == 1 {
-                self.step(100, Some((r - 1, data)), None)?;
+                let p = self.start(100, 100, Some((r - 1, data)), None)?;
+                self.finish(p, |_, _| {})?;
             } else {
-                let got = self.step(100, None, Some((r + 1, len)))?;
-                data.copy_from_slice(&got);
+                let p = self.start(100, 100, None, Some((r + 1, len)))?;
+                self.finish(p, |off, d| data[off..off + d.len()].copy_from_slice(d))?;
             }
         }
         Ok(())

@@ -237,3 +237,44 @@ fn uneven_byte_count_is_refused() {
         .iter()
         .all(|k| *k == Some(fabric::ErrorKind::InvalidArgument)));
 }
+
+/// Recursive doubling reduces each received segment as it is read out (several segments
+/// per step here), and the write ring reduces landed segments in 32 KiB pieces straight
+/// into its send buffer: on 5 and 6 ranks (folded groups), with counts that do not divide
+/// by the group or the segment, every rank holds the same bits and the integer results
+/// are exact.
+#[test]
+fn segmented_reductions_on_odd_groups_and_counts() {
+    for n in [5usize, 6] {
+        let cfg = CommConfig {
+            segment: 8192,
+            eager_pieces_max: 0,
+            write_segment: 40_000,
+            write_window: 4,
+            ..CommConfig::default()
+        };
+        let counts = [1usize, 7, 3_001, 16_385, 100_003];
+        let out = run_with(n, cfg, move |c| {
+            let mut res = Vec::new();
+            for &count in &counts {
+                let mut f: Vec<f32> = (0..count)
+                    .map(|i| ((c.rank() + 1) as f32).powi(7) * 1.000_1f32.powi(i as i32 % 50) / 3.0)
+                    .collect();
+                c.allreduce(&mut f, ReduceOp::Sum).unwrap();
+                let mut v: Vec<i64> = (0..count).map(|i| value(c.rank(), i)).collect();
+                c.allreduce(&mut v, ReduceOp::Sum).unwrap();
+                res.push((f.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), v));
+            }
+            res
+        });
+        for (k, &count) in counts.iter().enumerate() {
+            for r in 1..n {
+                assert_eq!(out[r][k].0, out[0][k].0, "n {n} count {count}: bits differ");
+            }
+            for (i, x) in out[0][k].1.iter().enumerate() {
+                let want: i64 = (0..n).map(|r| value(r, i)).sum();
+                assert_eq!(*x, want, "n {n} count {count} [{i}]");
+            }
+        }
+    }
+}
