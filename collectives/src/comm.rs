@@ -74,6 +74,15 @@ pub struct CommConfig {
     /// eager size. Zero: never cut into eager messages. On tcp (4 ranks, 2 cores) eager
     /// pieces won at 16 KiB, tied at 32 KiB and lost at 64 KiB.
     pub eager_pieces_max: usize,
+    /// Allreduce payloads up to this many bytes, on a power-of-two group of at most 64
+    /// ranks, gather every rank's data by recursive doubling and fold it in rank order
+    /// ([`Comm::allreduce_bytes`]); zero: never. Every rank sends `log2(n)` messages as in
+    /// recursive doubling, but the result does not depend on the order of the rounds, so
+    /// calls alternate it (by their sequence number): in back-to-back calls the first
+    /// message goes to the rank the previous call heard from last and carries the
+    /// transport's delivery acknowledgement of that message (tcp holds it for the next
+    /// message to that peer) instead of a system call of its own.
+    pub gather_max: usize,
 }
 
 impl Default for CommConfig {
@@ -89,6 +98,7 @@ impl Default for CommConfig {
             write_segment: 1 << 20,
             write_window: 48,
             eager_pieces_max: 32 << 10,
+            gather_max: 256,
         }
     }
 }
@@ -115,6 +125,8 @@ pub struct Comm {
     /// What [`Comm::finish`] reads a received segment into (kept to reuse its
     /// allocation: a small step allocates nothing).
     seg_buf: Vec<u8>,
+    /// The gathered blocks and the packed send of [`Comm::gather_doubling`] (kept).
+    gather_buf: (Vec<u8>, Vec<u8>),
 }
 
 /// The write ring's registered buffers on this rank and where they are on the next one.
@@ -169,6 +181,7 @@ impl Comm {
             ring: None,
             eager_max,
             seg_buf: Vec::new(),
+            gather_buf: (Vec::new(), Vec::new()),
         })
     }
 
@@ -540,6 +553,9 @@ impl Comm {
             return Ok(());
         }
         let count = data.len() / dtype.size();
+        if data.len() <= self.cfg.gather_max && n.is_power_of_two() && n <= 64 {
+            return self.gather_doubling(data, dtype, op);
+        }
         if data.len() <= self.cfg.small_max || count < n {
             return self.recursive_doubling(data, dtype, op);
         }
@@ -747,6 +763,67 @@ impl Comm {
                 todo.push_back((t + 1, k));
             }
         }
+        Ok(())
+    }
+
+    /// Allreduce of a small payload on a power-of-two group (see [`CommConfig::gather_max`]):
+    /// recursive doubling gathers every rank's `data` (after the rounds of masks `m` in
+    /// `order`, a rank holds the blocks of ranks `r ^ x`, `x` any combination of them; each
+    /// round sends the held blocks in rank order, packed), then every rank folds the `n`
+    /// blocks in rank order, `((v0 op v1) op v2) ...`: the same bits on every rank and in
+    /// every call, whatever the order of the rounds. Odd calls take the masks from the
+    /// largest down, even calls from 1 up.
+    fn gather_doubling(&mut self, data: &mut [u8], dtype: DataType, op: ReduceOp) -> Result<()> {
+        let (n, r, len) = (self.size(), self.rank, data.len());
+        let rounds = n.trailing_zeros();
+        let (mut all, mut pack) = std::mem::take(&mut self.gather_buf);
+        all.resize(n * len, 0);
+        all[r * len..(r + 1) * len].copy_from_slice(data);
+        // Bit p set: rank p's block is held.
+        let mut held: u64 = 1 << r;
+        let ranks = |set: u64| (0..n).filter(move |&p| set >> p & 1 == 1);
+        for i in 0..rounds {
+            let m = if self.seq % 2 == 1 {
+                1 << (rounds - 1 - i)
+            } else {
+                1 << i
+            };
+            let partner = r ^ m;
+            // Theirs: our set moved by the mask (xor is a bijection), sorted likewise.
+            let theirs = ranks(held).fold(0u64, |t, p| t | 1 << (p ^ m));
+            pack.clear();
+            for p in ranks(held) {
+                pack.extend_from_slice(&all[p * len..(p + 1) * len]);
+            }
+            let k = 200 + u64::from(i);
+            let st = self.start(k, k, Some((partner, &pack)), Some((partner, pack.len())))?;
+            // The segments land in message order: block j of the message is the j-th rank
+            // of `theirs`, at `j * len` in the message.
+            let slots: [usize; 64] = {
+                let mut a = [0usize; 64];
+                for (j, p) in ranks(theirs).enumerate() {
+                    a[j] = p;
+                }
+                a
+            };
+            self.finish(st, |off, d| {
+                let mut at = 0;
+                while at < d.len() {
+                    let pos = off + at;
+                    let (j, within) = (pos / len.max(1), pos % len.max(1));
+                    let take = (len - within).min(d.len() - at);
+                    let dst = slots[j] * len + within;
+                    all[dst..dst + take].copy_from_slice(&d[at..at + take]);
+                    at += take;
+                }
+            })?;
+            held |= theirs;
+        }
+        data.copy_from_slice(&all[..len]);
+        for p in 1..n {
+            reduce(dtype, op, data, &all[p * len..(p + 1) * len], false);
+        }
+        self.gather_buf = (all, pack);
         Ok(())
     }
 
