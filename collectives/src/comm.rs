@@ -20,6 +20,10 @@ const DESC_STEP: u64 = 3071;
 const RING_STEP: u64 = 3072;
 /// Largest group the write ring serves (its stages' steps fit in the tag).
 const MAX_WRITE_RING: usize = 512;
+/// The write ring reduces a segment this many bytes at a time (a multiple of every
+/// element size), so that the partial result stays in cache between the reduction and its
+/// copy into the registered buffer.
+const REDUCE_CHUNK: usize = 32 << 10;
 
 /// A step in flight (see [`Comm::start`]).
 #[derive(Debug)]
@@ -70,6 +74,15 @@ pub struct CommConfig {
     /// eager size. Zero: never cut into eager messages. On tcp (4 ranks, 2 cores) eager
     /// pieces won at 16 KiB, tied at 32 KiB and lost at 64 KiB.
     pub eager_pieces_max: usize,
+    /// Allreduce payloads up to this many bytes, on a power-of-two group of at most 64
+    /// ranks, gather every rank's data by recursive doubling and fold it in rank order
+    /// ([`Comm::allreduce_bytes`]); zero: never. Every rank sends `log2(n)` messages as in
+    /// recursive doubling, but the result does not depend on the order of the rounds, so
+    /// calls alternate it (by their sequence number): in back-to-back calls the first
+    /// message goes to the rank the previous call heard from last and carries the
+    /// transport's delivery acknowledgement of that message (tcp holds it for the next
+    /// message to that peer) instead of a system call of its own.
+    pub gather_max: usize,
 }
 
 impl Default for CommConfig {
@@ -85,6 +98,7 @@ impl Default for CommConfig {
             write_segment: 1 << 20,
             write_window: 48,
             eager_pieces_max: 32 << 10,
+            gather_max: 256,
         }
     }
 }
@@ -108,6 +122,11 @@ pub struct Comm {
     ring: Option<WriteRing>,
     /// The endpoint's eager size.
     eager_max: usize,
+    /// What [`Comm::finish`] reads a received segment into (kept to reuse its
+    /// allocation: a small step allocates nothing).
+    seg_buf: Vec<u8>,
+    /// The gathered blocks and the packed send of [`Comm::gather_doubling`] (kept).
+    gather_buf: (Vec<u8>, Vec<u8>),
 }
 
 /// The write ring's registered buffers on this rank and where they are on the next one.
@@ -161,6 +180,8 @@ impl Comm {
             polled: Vec::new(),
             ring: None,
             eager_max,
+            seg_buf: Vec::new(),
+            gather_buf: (Vec::new(), Vec::new()),
         })
     }
 
@@ -240,7 +261,8 @@ impl Comm {
         Ok(out)
     }
 
-    /// Segment size for a transfer of `len` bytes (at most 256 segments).
+    /// Segment size for a transfer of `len` bytes (at most 256 segments, a multiple of 8
+    /// bytes).
     ///
     /// A small transfer (up to [`CommConfig::eager_pieces_max`] and
     /// [`CommConfig::small_max`]) goes in segments of the endpoint's eager size: all in
@@ -251,7 +273,11 @@ impl Comm {
         } else {
             self.cfg.segment
         };
-        seg.max(1).max(len.div_ceil(256))
+        // Whole 8-byte words (so whole elements of every type: steps reduce segment by
+        // segment), and at most 256 segments (the tag's segment field).
+        (seg / 8 * 8)
+            .max(8)
+            .max(len.div_ceil(256).next_multiple_of(8))
     }
 
     /// Posts one step in segments (receives first, then sends, from a registered copy of
@@ -312,7 +338,8 @@ impl Comm {
     /// offset and bytes) to `on_seg` as it lands.
     fn finish(&mut self, p: Pending, mut on_seg: impl FnMut(usize, &[u8])) -> Result<()> {
         let (mut sends, mut recvs) = (p.sends, p.recvs);
-        let mut tmp = Vec::new();
+        // Reused between steps (a small step allocates nothing); an error drops it.
+        let mut tmp = std::mem::take(&mut self.seg_buf);
         let spin = p.rlen.max(p.slen) <= self.cfg.small_max;
         while sends + recvs > 0 {
             let c = self.next(spin)?;
@@ -338,6 +365,7 @@ impl Comm {
                 sends -= 1;
             }
         }
+        self.seg_buf = tmp;
         Ok(())
     }
 
@@ -525,6 +553,9 @@ impl Comm {
             return Ok(());
         }
         let count = data.len() / dtype.size();
+        if data.len() <= self.cfg.gather_max && n.is_power_of_two() && n <= 64 {
+            return self.gather_doubling(data, dtype, op);
+        }
         if data.len() <= self.cfg.small_max || count < n {
             return self.recursive_doubling(data, dtype, op);
         }
@@ -661,7 +692,7 @@ impl Comm {
         let mut todo: VecDeque<(usize, usize)> = (0..nseg).map(|k| (0, k)).collect();
         let mut writing = 0usize;
         let mut owed = 2 * stages * nseg; // every notification sent and received
-        let mut landed = Vec::new();
+        let mut chunk = vec![0u8; REDUCE_CHUNK.min(seg)];
         while owed > 0 || writing > 0 {
             while writing < self.cfg.write_window.max(1) {
                 let Some((t, k)) = todo.pop_front() else {
@@ -706,13 +737,24 @@ impl Comm {
             let (t, k) = (i / nseg, i % nseg);
             let range = part(recv_blk(t), k);
             if t < n - 1 && !range.is_empty() {
-                // Reduce-scatter: our partial op the one that landed, in the ring's order,
-                // then into `work` to be sent on.
-                landed.resize(range.len(), 0);
-                land.buffer().read(range.start, &mut landed);
-                let mine = &mut data[range.clone()];
-                reduce(dtype, op, mine, &landed, true);
-                work.buffer().write(range.start, mine);
+                // Reduce-scatter: the one that landed op our input, in the ring's order,
+                // straight into `work` to be sent on, a cache-sized chunk at a time (one
+                // pass over the landing buffer, the input and `work`). Each block is
+                // received once in the reduce-scatter, so `data` still holds our input
+                // there; only our own block, final after stage n-2, goes back into it.
+                let own = t == n - 2;
+                let mut at = range.start;
+                while at < range.end {
+                    let end = (at + REDUCE_CHUNK).min(range.end);
+                    let tmp = &mut chunk[..end - at];
+                    land.buffer().read(at, tmp);
+                    reduce(dtype, op, tmp, &data[at..end], false);
+                    work.buffer().write(at, tmp);
+                    if own {
+                        data[at..end].copy_from_slice(tmp);
+                    }
+                    at = end;
+                }
             } else if !range.is_empty() {
                 // Allgather: a final segment, written into `work` by the previous rank.
                 work.buffer().read(range.start, &mut data[range]);
@@ -724,8 +766,71 @@ impl Comm {
         Ok(())
     }
 
+    /// Allreduce of a small payload on a power-of-two group (see [`CommConfig::gather_max`]):
+    /// recursive doubling gathers every rank's `data` (after the rounds of masks `m` in
+    /// `order`, a rank holds the blocks of ranks `r ^ x`, `x` any combination of them; each
+    /// round sends the held blocks in rank order, packed), then every rank folds the `n`
+    /// blocks in rank order, `((v0 op v1) op v2) ...`: the same bits on every rank and in
+    /// every call, whatever the order of the rounds. Odd calls take the masks from the
+    /// largest down, even calls from 1 up.
+    fn gather_doubling(&mut self, data: &mut [u8], dtype: DataType, op: ReduceOp) -> Result<()> {
+        let (n, r, len) = (self.size(), self.rank, data.len());
+        let rounds = n.trailing_zeros();
+        let (mut all, mut pack) = std::mem::take(&mut self.gather_buf);
+        all.resize(n * len, 0);
+        all[r * len..(r + 1) * len].copy_from_slice(data);
+        // Bit p set: rank p's block is held.
+        let mut held: u64 = 1 << r;
+        let ranks = |set: u64| (0..n).filter(move |&p| set >> p & 1 == 1);
+        for i in 0..rounds {
+            let m = if self.seq % 2 == 1 {
+                1 << (rounds - 1 - i)
+            } else {
+                1 << i
+            };
+            let partner = r ^ m;
+            // Theirs: our set moved by the mask (xor is a bijection), sorted likewise.
+            let theirs = ranks(held).fold(0u64, |t, p| t | 1 << (p ^ m));
+            pack.clear();
+            for p in ranks(held) {
+                pack.extend_from_slice(&all[p * len..(p + 1) * len]);
+            }
+            let k = 200 + u64::from(i);
+            let st = self.start(k, k, Some((partner, &pack)), Some((partner, pack.len())))?;
+            // The segments land in message order: block j of the message is the j-th rank
+            // of `theirs`, at `j * len` in the message.
+            let slots: [usize; 64] = {
+                let mut a = [0usize; 64];
+                for (j, p) in ranks(theirs).enumerate() {
+                    a[j] = p;
+                }
+                a
+            };
+            self.finish(st, |off, d| {
+                let mut at = 0;
+                while at < d.len() {
+                    let pos = off + at;
+                    let (j, within) = (pos / len.max(1), pos % len.max(1));
+                    let take = (len - within).min(d.len() - at);
+                    let dst = slots[j] * len + within;
+                    all[dst..dst + take].copy_from_slice(&d[at..at + take]);
+                    at += take;
+                }
+            })?;
+            held |= theirs;
+        }
+        data.copy_from_slice(&all[..len]);
+        for p in 1..n {
+            reduce(dtype, op, data, &all[p * len..(p + 1) * len], false);
+        }
+        self.gather_buf = (all, pack);
+        Ok(())
+    }
+
     /// Recursive doubling; a non-power-of-two group first folds its extra ranks in. Each
     /// pair computes `lower rank's value op higher rank's value`, so both hold the same bits.
+    /// Each step reduces the partner's data as it is read out of the receive buffer (our
+    /// own left for the send first), so a call allocates nothing once the buffers grew.
     fn recursive_doubling(&mut self, data: &mut [u8], dtype: DataType, op: ReduceOp) -> Result<()> {
         let (n, r) = (self.size(), self.rank);
         let p2 = 1 << (usize::BITS - 1 - n.leading_zeros());
@@ -734,11 +839,14 @@ impl Comm {
         // Fold: among the first 2*rem ranks, even ones hand their data to the odd one above.
         let newrank = if r < 2 * rem {
             if r % 2 == 0 {
-                self.step(0, Some((r + 1, data)), None)?;
+                let p = self.start(0, 0, Some((r + 1, data)), None)?;
+                self.finish(p, |_, _| {})?;
                 None
             } else {
-                let got = self.step(0, None, Some((r - 1, len)))?;
-                reduce(dtype, op, data, &got, true);
+                let p = self.start(0, 0, None, Some((r - 1, len)))?;
+                self.finish(p, |off, d| {
+                    reduce(dtype, op, &mut data[off..off + d.len()], d, true)
+                })?;
                 Some(r / 2)
             }
         } else {
@@ -751,8 +859,11 @@ impl Comm {
             while mask < p2 {
                 let pn = nr ^ mask;
                 let partner = real(pn);
-                let got = self.step(k, Some((partner, data)), Some((partner, len)))?;
-                reduce(dtype, op, data, &got, pn < nr);
+                // `start` copies `data` out for the send before anything is received.
+                let p = self.start(k, k, Some((partner, data)), Some((partner, len)))?;
+                self.finish(p, |off, d| {
+                    reduce(dtype, op, &mut data[off..off + d.len()], d, pn < nr)
+                })?;
                 mask <<= 1;
                 k += 1;
             }
@@ -760,10 +871,11 @@ impl Comm {
         // Unfold: odd ranks give the result back.
         if r < 2 * rem {
             if r % 2 == 1 {
-                self.step(100, Some((r - 1, data)), None)?;
+                let p = self.start(100, 100, Some((r - 1, data)), None)?;
+                self.finish(p, |_, _| {})?;
             } else {
-                let got = self.step(100, None, Some((r + 1, len)))?;
-                data.copy_from_slice(&got);
+                let p = self.start(100, 100, None, Some((r + 1, len)))?;
+                self.finish(p, |off, d| data[off..off + d.len()].copy_from_slice(d))?;
             }
         }
         Ok(())

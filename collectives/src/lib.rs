@@ -1,9 +1,11 @@
 //! Collectives over `fabric-rdm` tagged messages: barrier, broadcast, allgather,
 //! reduce-scatter and allreduce, on any provider.
 //!
-//! * Allreduce: recursive doubling up to [`CommConfig::small_max`] bytes (a group that is
-//!   not a power of two first folds its extra ranks into their neighbours), else a ring
-//!   (reduce-scatter, then allgather).
+//! * Allreduce: up to [`CommConfig::gather_max`] bytes on a power-of-two group, every
+//!   rank's data gathered by recursive doubling and folded in rank order; up to
+//!   [`CommConfig::small_max`] bytes recursive doubling (a group that is not a power of two
+//!   first folds its extra ranks into their neighbours); else a ring (reduce-scatter, then
+//!   allgather), RDMA-written segment by segment when the provider has RDMA Write.
 //! * Allgather: recursive doubling for small payloads on power-of-two groups, else a ring.
 //! * Reduce-scatter: a ring. Broadcast: a binomial tree up to
 //!   [`CommConfig::bcast_small_max`], else a chain pipelined in chunks. Barrier:
@@ -13,7 +15,8 @@
 //!
 //! **Bit-identical results.** Every element's reduction is computed in one fixed order and
 //! then copied: in the ring each block is reduced once along the ring and then gathered;
-//! in recursive doubling both ranks of a pair compute `lower op higher` on the same bits.
+//! in recursive doubling both ranks of a pair compute `lower op higher` on the same bits;
+//! a gathered small payload is folded in rank order everywhere.
 //! So every rank holds exactly the same bits, floating point included (the order depends
 //! on the algorithm, hence on the size, never on the rank).
 //!

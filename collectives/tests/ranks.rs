@@ -237,3 +237,112 @@ fn uneven_byte_count_is_refused() {
         .iter()
         .all(|k| *k == Some(fabric::ErrorKind::InvalidArgument)));
 }
+
+/// Recursive doubling reduces each received segment as it is read out (several segments
+/// per step here), and the write ring reduces landed segments in 32 KiB pieces straight
+/// into its send buffer: on 5 and 6 ranks (folded groups), with counts that do not divide
+/// by the group or the segment, every rank holds the same bits and the integer results
+/// are exact.
+#[test]
+fn segmented_reductions_on_odd_groups_and_counts() {
+    for n in [5usize, 6] {
+        let cfg = CommConfig {
+            segment: 8192,
+            eager_pieces_max: 0,
+            write_segment: 40_000,
+            write_window: 4,
+            ..CommConfig::default()
+        };
+        let counts = [1usize, 7, 3_001, 16_385, 100_003];
+        let out = run_with(n, cfg, move |c| {
+            let mut res = Vec::new();
+            for &count in &counts {
+                let mut f: Vec<f32> = (0..count)
+                    .map(|i| ((c.rank() + 1) as f32).powi(7) * 1.000_1f32.powi(i as i32 % 50) / 3.0)
+                    .collect();
+                c.allreduce(&mut f, ReduceOp::Sum).unwrap();
+                let mut v: Vec<i64> = (0..count).map(|i| value(c.rank(), i)).collect();
+                c.allreduce(&mut v, ReduceOp::Sum).unwrap();
+                res.push((f.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), v));
+            }
+            res
+        });
+        for (k, &count) in counts.iter().enumerate() {
+            for r in 1..n {
+                assert_eq!(out[r][k].0, out[0][k].0, "n {n} count {count}: bits differ");
+            }
+            for (i, x) in out[0][k].1.iter().enumerate() {
+                let want: i64 = (0..n).map(|r| value(r, i)).sum();
+                assert_eq!(*x, want, "n {n} count {count} [{i}]");
+            }
+        }
+    }
+}
+
+/// Small payloads on power-of-two groups gather every rank's data and fold it in rank
+/// order, taking the rounds in alternating order from call to call: the bits are those of
+/// the left fold `((v0 op v1) op v2) ...` on every rank and in every call, also when the
+/// messages are cut into 8-byte segments that cross the ranks' blocks (3- and 5-byte u8
+/// payloads) and for a payload just over the threshold (recursive doubling).
+#[test]
+fn gathered_small_allreduce_is_the_rank_order_fold_in_every_call() {
+    let floats = |rank: usize, count: usize| -> Vec<f32> {
+        (0..count)
+            .map(|i| ((rank + 1) as f32).powi(7) * 1.000_1f32.powi(i as i32 % 50) / 3.0)
+            .collect()
+    };
+    for n in [2usize, 4, 8] {
+        for segment in [8usize, 8192] {
+            let cfg = CommConfig {
+                segment,
+                eager_pieces_max: 0,
+                gather_max: 64,
+                ..CommConfig::default()
+            };
+            let counts = [1usize, 3, 5, 16];
+            let out = run_with(n, cfg, move |c| {
+                let mut res = Vec::new();
+                for &count in &counts {
+                    // Three calls in a row: both orders of the rounds, then the first again.
+                    for _ in 0..3 {
+                        let mut f = floats(c.rank(), count);
+                        c.allreduce(&mut f, ReduceOp::Sum).unwrap();
+                        let mut u: Vec<u8> = (0..count).map(|i| value(c.rank(), i) as u8).collect();
+                        c.allreduce(&mut u, ReduceOp::Max).unwrap();
+                        res.push((f.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), u));
+                    }
+                }
+                // Over the threshold (64 bytes): recursive doubling, still right.
+                let mut v: Vec<i64> = (0..9).map(|i| value(c.rank(), i)).collect();
+                c.allreduce(&mut v, ReduceOp::Sum).unwrap();
+                (res, v)
+            });
+            for (k, &count) in counts.iter().flat_map(|c| [c; 3]).enumerate() {
+                let want: Vec<u32> = (0..count)
+                    .map(|i| {
+                        let mut acc = floats(0, count)[i];
+                        for r in 1..n {
+                            acc += floats(r, count)[i];
+                        }
+                        acc.to_bits()
+                    })
+                    .collect();
+                let want_u: Vec<u8> = (0..count)
+                    .map(|i| (0..n).map(|r| value(r, i) as u8).max().unwrap())
+                    .collect();
+                for (r, (res, _)) in out.iter().enumerate() {
+                    assert_eq!(res[k].0, want, "n {n} seg {segment} count {count} rank {r}");
+                    assert_eq!(
+                        res[k].1, want_u,
+                        "n {n} seg {segment} count {count} rank {r}"
+                    );
+                }
+            }
+            for (_, v) in &out {
+                for (i, x) in v.iter().enumerate() {
+                    assert_eq!(*x, (0..n).map(|r| value(r, i)).sum::<i64>(), "n {n} [{i}]");
+                }
+            }
+        }
+    }
+}

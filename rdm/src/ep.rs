@@ -481,6 +481,12 @@ struct Inner {
     claimed: HashMap<u64, (u32, Unexp)>,
     slots: Slots,
     done: VecDeque<RdmCompletion>,
+    /// The provider completions of one progress pass (kept to reuse its allocation).
+    cq_batch: Vec<Completion>,
+    /// A received wire message, read out of its receive slot (kept, as `cq_batch`).
+    rx_buf: Vec<u8>,
+    /// An eager payload on its way into a send slot (kept, as `cq_batch`).
+    tx_buf: Vec<u8>,
 }
 
 /// A reliable datagram endpoint over any provider's connected endpoints (see the crate
@@ -565,6 +571,9 @@ impl RdmEndpoint {
             claimed: HashMap::new(),
             slots,
             done: VecDeque::new(),
+            cq_batch: Vec::with_capacity(64),
+            rx_buf: Vec::new(),
+            tx_buf: Vec::new(),
         }));
         let stop = Arc::new(AtomicBool::new(false));
         let acceptor = {
@@ -647,6 +656,23 @@ impl RdmEndpoint {
         Ok(g.av[idx as usize].addr)
     }
 
+    /// Runs `f` on the endpoint with a connection carrying messages to `peer`: under one
+    /// lock when there is one, else after [`RdmEndpoint::ensure_conn`] made it.
+    fn with_conn<R>(&self, peer: Peer, f: impl FnOnce(&mut Inner) -> Result<R>) -> Result<R> {
+        {
+            let mut g = lock(&self.inner);
+            let idx = g.check(peer)?;
+            if g.av[idx as usize]
+                .send_conn
+                .is_some_and(|c| g.conns.contains_key(&c))
+            {
+                return f(&mut g);
+            }
+        }
+        self.ensure_conn(peer)?;
+        f(&mut lock(&self.inner))
+    }
+
     /// Connects to `peer` if no connection carries messages to it yet. The connection is
     /// made without holding the endpoint: other threads keep using it meanwhile.
     fn ensure_conn(&self, peer: Peer) -> Result<()> {
@@ -686,20 +712,17 @@ impl RdmEndpoint {
 
     /// Sends an untagged message; `buf` may be reused once the send completes.
     pub fn send(&self, peer: Peer, buf: Slice<'_>, context: u64) -> Result<()> {
-        self.ensure_conn(peer)?;
-        lock(&self.inner).send(peer, None, buf, context, false)
+        self.with_conn(peer, |g| g.send(peer, None, buf, context, false))
     }
 
     /// Sends a tagged message.
     pub fn tsend(&self, peer: Peer, tag: u64, buf: Slice<'_>, context: u64) -> Result<()> {
-        self.ensure_conn(peer)?;
-        lock(&self.inner).send(peer, Some(tag), buf, context, false)
+        self.with_conn(peer, |g| g.send(peer, Some(tag), buf, context, false))
     }
 
     /// Sends a tagged message that completes only once a receive at the target matched it.
     pub fn tsend_sync(&self, peer: Peer, tag: u64, buf: Slice<'_>, context: u64) -> Result<()> {
-        self.ensure_conn(peer)?;
-        lock(&self.inner).send(peer, Some(tag), buf, context, true)
+        self.with_conn(peer, |g| g.send(peer, Some(tag), buf, context, true))
     }
 
     /// Posts an untagged receive (from any peer).
@@ -832,9 +855,10 @@ impl RdmEndpoint {
         remote: RemoteAddr,
         context: u64,
     ) -> Result<()> {
-        self.ensure_conn(peer)?;
-        lock(&self.inner).rma(peer, RdmOp::Write, context, |wr| {
-            SendWr::write(wr, src, remote)
+        self.with_conn(peer, |g| {
+            g.rma(peer, RdmOp::Write, context, |wr| {
+                SendWr::write(wr, src, remote)
+            })
         })
     }
 
@@ -1756,9 +1780,11 @@ impl Inner {
         region.buffer().write(off, &hdr.encode());
         let plen = match &payload {
             Some((r, o, n)) => {
-                region
-                    .buffer()
-                    .write(off + HDR_LEN, &r.buffer().to_vec(*o, *n));
+                // Through a buffer kept between messages: no allocation per message.
+                let tmp = &mut self.tx_buf;
+                tmp.resize(*n, 0);
+                r.buffer().read(*o, tmp);
+                region.buffer().write(off + HDR_LEN, tmp);
                 *n
             }
             None => 0,
@@ -1800,17 +1826,24 @@ impl Inner {
     }
 
     fn progress(&mut self) -> Result<()> {
-        let mut out = Vec::with_capacity(64);
-        loop {
+        // The batch vector is kept between passes: a poll that finds nothing (a spinning
+        // caller's usual pass) allocates nothing.
+        let mut out = std::mem::take(&mut self.cq_batch);
+        let r = loop {
             out.clear();
-            let n = self.cq.poll(&mut out, 64)?;
+            let n = match self.cq.poll(&mut out, 64) {
+                Ok(n) => n,
+                Err(e) => break Err(e),
+            };
             for c in out.drain(..) {
                 self.on_completion(c);
             }
             if n < 64 {
-                return Ok(());
+                break Ok(());
             }
-        }
+        };
+        self.cq_batch = out;
+        r
     }
 
     fn on_completion(&mut self, c: Completion) {
@@ -1899,7 +1932,11 @@ impl Inner {
         if let Status::Error(k) = c.status {
             return self.conn_failed(conn, k);
         }
-        let bytes = cn.recv.buffer().to_vec(idx * slot, c.byte_len as usize);
+        // Read out of the receive slot into a buffer kept between messages (an error path
+        // drops it: the next message allocates a new one).
+        let mut bytes = std::mem::take(&mut self.rx_buf);
+        bytes.resize(c.byte_len as usize, 0);
+        cn.recv.buffer().read(idx * slot, &mut bytes);
         let hdr = match Header::decode(&bytes) {
             Ok(h) if h.kind != Kind::Eager || bytes.len() == HDR_LEN + h.len as usize => h,
             Ok(h) => {
@@ -1951,14 +1988,16 @@ impl Inner {
                 }
             }
             Kind::Eager | Kind::Rts => {
-                let data = bytes[HDR_LEN..].to_vec();
-                self.arrive(conn, peer, hdr, data);
+                self.arrive(conn, peer, hdr, &bytes[HDR_LEN..]);
             }
         }
+        self.rx_buf = bytes;
         self.flush(conn);
     }
 
-    fn arrive(&mut self, conn: u64, peer: u32, hdr: Header, data: Vec<u8>) {
+    /// A message (eager payload, or none for a rendezvous) arrived: placed into the first
+    /// matching posted receive, else kept (copied) as unexpected.
+    fn arrive(&mut self, conn: u64, peer: u32, hdr: Header, data: &[u8]) {
         let tagged = hdr.flags & F_TAGGED != 0;
         let tag = if tagged { hdr.tag } else { 0 };
         let m = if tagged {
@@ -1973,7 +2012,7 @@ impl Inner {
                 None => {
                     let p = m.take_posted(seq).expect("found");
                     self.recv_seq.remove(&p.op);
-                    self.place(p.op, peer, conn, hdr, &data, p.buf, 0);
+                    self.place(p.op, peer, conn, hdr, data, p.buf, 0);
                 }
                 Some((used, min_free)) => {
                     let p = m.posted_mut(seq).expect("found");
@@ -1986,7 +2025,7 @@ impl Inner {
                         m.take_posted(seq);
                     }
                     let op = self.multi_op(parent, peer, used);
-                    self.place(op, peer, conn, hdr, &data, buf, used);
+                    self.place(op, peer, conn, hdr, data, buf, used);
                     if released {
                         self.release_multi(parent);
                     }
@@ -2006,7 +2045,7 @@ impl Inner {
             Unexp {
                 conn,
                 hdr,
-                data,
+                data: data.to_vec(),
                 withheld,
                 cost,
             },
