@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabric_api::spi::{CompletionQueue, Domain, Endpoint, EndpointConfig, Listener};
-use fabric_api::{Access, Buffer, SendWr, Status};
+use fabric_api::{Access, Buffer, MemoryRegion, SendWr, Status};
 use fabric_tcp::{ProgressMode, TcpCq, TcpDomain, TcpEndpoint, TcpOptions};
 
 /// Thread counts are per process: the tests of this file take turns.
@@ -36,6 +36,46 @@ fn connect(
             })
         })
         .collect()
+}
+
+/// One connected pair in a domain of its own, with a registered 8-byte source holding
+/// `payload` and an 8-byte receive target.
+struct Pair {
+    _domain: TcpDomain,
+    cq_a: TcpCq,
+    cq_b: TcpCq,
+    a: TcpEndpoint,
+    b: TcpEndpoint,
+    src: MemoryRegion,
+    dst: MemoryRegion,
+}
+
+impl Pair {
+    fn open(mode: ProgressMode, payload: &[u8; 8]) -> Pair {
+        let domain = TcpDomain::open(TcpOptions {
+            progress: mode,
+            ..TcpOptions::default()
+        })
+        .unwrap();
+        let cq_a = domain.create_cq(64).unwrap();
+        let cq_b = domain.create_cq(64).unwrap();
+        let (a, b) = connect(&domain, &cq_a, &cq_b, 1).pop().unwrap();
+        let src = domain
+            .register(Arc::new(Buffer::from_slice(payload)), Access::empty())
+            .unwrap();
+        let dst = domain
+            .register(Arc::new(Buffer::new(8)), Access::LOCAL_WRITE)
+            .unwrap();
+        Pair {
+            _domain: domain,
+            cq_a,
+            cq_b,
+            a,
+            b,
+            src,
+            dst,
+        }
+    }
 }
 
 /// No thread per connection: 64 connected pairs (128 endpoints) in one domain add the
@@ -216,20 +256,15 @@ fn progress_thread_takes_over_when_the_application_stops_polling() {
 fn deferred_acks_leave_without_a_send_to_carry_them() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for mode in [ProgressMode::Auto, ProgressMode::Manual] {
-        let domain = TcpDomain::open(TcpOptions {
-            progress: mode,
-            ..TcpOptions::default()
-        })
-        .unwrap();
-        let cq_a = domain.create_cq(64).unwrap();
-        let cq_b = domain.create_cq(64).unwrap();
-        let (a, b) = connect(&domain, &cq_a, &cq_b, 1).pop().unwrap();
-        let src = domain
-            .register(Arc::new(Buffer::from_slice(b"deferred")), Access::empty())
-            .unwrap();
-        let dst = domain
-            .register(Arc::new(Buffer::new(8)), Access::LOCAL_WRITE)
-            .unwrap();
+        let Pair {
+            cq_a,
+            cq_b,
+            a,
+            b,
+            src,
+            dst,
+            ..
+        } = Pair::open(mode, b"deferred");
         let mut out = Vec::new();
         for round in 0..20u64 {
             b.post_recv(&fabric_api::RecvWr::new(round, &[dst.all()]))
@@ -279,20 +314,15 @@ fn deferred_acks_leave_without_a_send_to_carry_them() {
 fn a_receive_post_placing_an_early_message_defers_its_ack() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for mode in [ProgressMode::Manual, ProgressMode::Auto] {
-        let domain = TcpDomain::open(TcpOptions {
-            progress: mode,
-            ..TcpOptions::default()
-        })
-        .unwrap();
-        let cq_a = domain.create_cq(64).unwrap();
-        let cq_b = domain.create_cq(64).unwrap();
-        let (a, b) = connect(&domain, &cq_a, &cq_b, 1).pop().unwrap();
-        let src = domain
-            .register(Arc::new(Buffer::from_slice(b"unexpect")), Access::empty())
-            .unwrap();
-        let dst = domain
-            .register(Arc::new(Buffer::new(8)), Access::LOCAL_WRITE)
-            .unwrap();
+        let Pair {
+            cq_a,
+            cq_b,
+            a,
+            b,
+            src,
+            dst,
+            ..
+        } = Pair::open(mode, b"unexpect");
         let mut out = Vec::new();
         for round in 0..5u64 {
             a.post_send(&SendWr::send(1000 + round, &[src.all()]))
