@@ -200,9 +200,7 @@ impl Head {
     fn new(h: &Header, seg: usize) -> Head {
         let mut bytes = [0u8; 2 + ddp::UNTAGGED_LEN];
         bytes[..2].copy_from_slice(&((h.len() + seg) as u16).to_be_bytes());
-        let mut hdr = [0u8; ddp::UNTAGGED_LEN];
-        let n = h.write_to(&mut hdr);
-        bytes[2..2 + n].copy_from_slice(&hdr[..n]);
+        let n = h.write_to(&mut bytes[2..]);
         Head { bytes, len: 2 + n }
     }
 }

@@ -18,9 +18,9 @@ use std::io;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use fabric_api::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
 
 use mio::Token;
 

@@ -146,9 +146,9 @@ impl Header {
         out.extend_from_slice(&b[..n]);
     }
 
-    /// Writes the encoding to the start of `out` (room for either kind of header);
-    /// returns its length. Allocates nothing.
-    pub fn write_to(&self, out: &mut [u8; UNTAGGED_LEN]) -> usize {
+    /// Writes the encoding to the start of `out`, which must have room for it
+    /// ([`UNTAGGED_LEN`] bytes fit either kind); returns its length. Allocates nothing.
+    pub fn write_to(&self, out: &mut [u8]) -> usize {
         let mut at = 0;
         let mut put = |b: &[u8]| {
             out[at..at + b.len()].copy_from_slice(b);
