@@ -302,11 +302,9 @@ fn facts(r: ffi::RawDevice) -> DeviceFacts {
             let base = format!("{SYSFS}/{}/ports/{num}/gid_attrs", r.name);
             let entries: Vec<GidEntry> = gids
                 .iter()
-                .enumerate()
-                .filter(|(_, g)| **g != [0; 16])
-                .map(|(idx, g)| GidEntry {
-                    index: idx as u32,
-                    gid: Gid(*g),
+                .map(|&(idx, g)| GidEntry {
+                    index: idx,
+                    gid: Gid(g),
                     // iWARP GIDs carry the MAC: sysfs' RoCE types mean nothing there.
                     kind: if transport == Transport::Iwarp {
                         GidKind::Unknown
@@ -320,7 +318,7 @@ fn facts(r: ffi::RawDevice) -> DeviceFacts {
             let link_layer = LinkLayer::from_raw(p.link_layer);
             let netdev = entries.iter().find_map(|e| e.netdev.clone()).or_else(|| {
                 if transport == Transport::Iwarp {
-                    gids.first().and_then(|g| netdev_by_mac(&g[..6]))
+                    gids.first().and_then(|(_, g)| netdev_by_mac(&g[..6]))
                 } else {
                     None
                 }

@@ -10,12 +10,13 @@
 //!   queue pair was destroyed: the callers keep the `Arc<Buffer>` (through `RegionRef`) in
 //!   their ledger for exactly that long (see `ep.rs`).
 
+use std::collections::HashMap;
 use std::ffi::CStr;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::fd::RawFd;
 use std::ptr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use crate::sys;
@@ -50,6 +51,9 @@ pub(crate) struct RawPort {
     pub link_layer: u8,
 }
 
+/// A valid GID and its index in the port's table.
+pub(crate) type RawGid = (u32, [u8; 16]);
+
 /// Raw facts of one device, as `ibv_query_device` reports them, plus what probing found.
 #[derive(Debug, Clone)]
 pub(crate) struct RawDevice {
@@ -66,7 +70,8 @@ pub(crate) struct RawDevice {
     pub max_qp_rd_atom: i32,
     pub max_qp_init_rd_atom: i32,
     pub atomic_cap: u32,
-    pub ports: Vec<(RawPort, Vec<[u8; 16]>)>,
+    /// Each port with its valid (non-zero) GIDs, lowest index first.
+    pub ports: Vec<(RawPort, Vec<RawGid>)>,
     /// Largest inline payload a probe RC queue pair accepted (0 when none).
     pub max_inline: u32,
     /// Gather entries the probe queue pair accepted.
@@ -130,22 +135,13 @@ fn probe_ctx(ctx: *mut sys::ibv_context, name: String) -> io::Result<RawDevice> 
     // SAFETY: an open context points at its device.
     let transport = unsafe { (*(*ctx).device).transport_type };
     let mut ports = Vec::new();
+    let mut table_len = Vec::new();
     for p in 1..=attr.phys_port_cnt {
         // SAFETY: all-zero is a valid value of this plain C struct.
         let mut pa: sys::ibv_port_attr = unsafe { std::mem::zeroed() };
         // SAFETY: `ctx` is open; `pa` is a valid out-pointer of the full struct size.
         check(unsafe { sys::___ibv_query_port(ctx, p, &mut pa) })?;
-        let mut gids = Vec::new();
-        for idx in 0..pa.gid_tbl_len.max(0) {
-            // SAFETY: all-zero is a valid GID.
-            let mut g: sys::ibv_gid = unsafe { std::mem::zeroed() };
-            // SAFETY: `ctx` is open, the index is inside the table, `g` is an out-pointer.
-            if unsafe { sys::ibv_query_gid(ctx, p, idx, &mut g) } != 0 {
-                break;
-            }
-            // SAFETY: every bit pattern of the union is a valid byte array.
-            gids.push(unsafe { g.raw });
-        }
+        table_len.push(pa.gid_tbl_len.max(0) as u32);
         ports.push((
             RawPort {
                 state: pa.state,
@@ -157,10 +153,29 @@ fn probe_ctx(ctx: *mut sys::ibv_context, name: String) -> io::Result<RawDevice> 
                 lmc: pa.lmc,
                 link_layer: pa.link_layer,
             },
-            gids,
+            Vec::new(),
         ));
     }
-    let (max_inline, probe_sge) = probe_qp_caps(ctx, &attr);
+    // SAFETY: `ctx` is open.
+    match unsafe { query_gid_table(ctx, &table_len) } {
+        Some(entries) => {
+            for (port, idx, gid) in entries {
+                if let Some((_, gids)) = ports.get_mut(port as usize - 1) {
+                    gids.push((idx, gid));
+                }
+            }
+        }
+        None => {
+            for (i, (_, gids)) in ports.iter_mut().enumerate() {
+                // SAFETY: `ctx` is open; the port number and table length are the device's.
+                *gids = unsafe { query_gids_one_by_one(ctx, i as u8 + 1, table_len[i]) };
+            }
+        }
+    }
+    for (_, gids) in &mut ports {
+        gids.sort_unstable_by_key(|(idx, _)| *idx);
+    }
+    let (max_inline, probe_sge) = qp_caps(ctx, &name, &attr);
     let fw = attr.fw_ver;
     Ok(RawDevice {
         name,
@@ -180,6 +195,89 @@ fn probe_ctx(ctx: *mut sys::ibv_context, name: String) -> io::Result<RawDevice> 
         max_inline,
         probe_sge,
     })
+}
+
+/// Every valid GID of the device in one call (`ibv_query_gid_table`): `(port, index, gid)`,
+/// or `None` when this rdma-core lacks the call or it failed (the caller then queries index
+/// by index). `table_len` holds each port's table length, which bounds the answer.
+///
+/// # Safety
+/// `ctx` is an open device context.
+unsafe fn query_gid_table(
+    ctx: *mut sys::ibv_context,
+    table_len: &[u32],
+) -> Option<Vec<(u32, u32, [u8; 16])>> {
+    let max: usize = table_len.iter().map(|&n| n as usize).sum();
+    let mut entries: Vec<sys::ibv_gid_entry> = (0..max.max(1))
+        // SAFETY: all-zero is a valid value of this plain C struct (a GID and four integers).
+        .map(|_| unsafe { std::mem::zeroed() })
+        .collect();
+    // SAFETY: `ctx` is open (the caller's contract).
+    let n = unsafe { sys::ibv_query_gid_table(ctx, &mut entries) }?;
+    if n < 0 {
+        tracing::debug!(
+            errno = -n,
+            "ibv_query_gid_table failed; querying GIDs one by one"
+        );
+        return None;
+    }
+    entries.truncate((n as usize).min(max));
+    Some(
+        entries
+            .iter()
+            .filter(|e| e.port_num >= 1 && e.port_num as usize <= table_len.len())
+            // SAFETY: every bit pattern of the union is a valid byte array.
+            .map(|e| (e.port_num, e.gid_index, unsafe { e.gid.raw }))
+            .filter(|(_, _, g)| *g != [0; 16])
+            .collect(),
+    )
+}
+
+/// The valid GIDs of one port, one `ibv_query_gid` per index (rdma-core before 30): an
+/// empty entry reads as zeros and is left out.
+///
+/// # Safety
+/// `ctx` is an open device context with a port `port` whose table has `len` entries.
+unsafe fn query_gids_one_by_one(ctx: *mut sys::ibv_context, port: u8, len: u32) -> Vec<RawGid> {
+    let mut gids = Vec::new();
+    for idx in 0..len {
+        // SAFETY: all-zero is a valid GID.
+        let mut g: sys::ibv_gid = unsafe { std::mem::zeroed() };
+        // SAFETY: `ctx` is open, the index is inside the table, `g` is an out-pointer.
+        if unsafe { sys::ibv_query_gid(ctx, port, idx as i32, &mut g) } != 0 {
+            break;
+        }
+        // SAFETY: every bit pattern of the union is a valid byte array.
+        let raw = unsafe { g.raw };
+        if raw != [0; 16] {
+            gids.push((idx, raw));
+        }
+    }
+    gids
+}
+
+/// What [`probe_qp_caps`] learned, per device (name and node GUID), for the life of the
+/// process: a device's limits do not change, and the probe creates up to ten queue pairs
+/// (tens of milliseconds under emulation) while every domain opened runs discovery.
+static QP_CAPS: OnceLock<Mutex<HashMap<DeviceKey, (u32, u32)>>> = OnceLock::new();
+
+/// A device by name and node GUID.
+type DeviceKey = (String, u64);
+
+/// The device's inline and gather limits: [`probe_qp_caps`] the first time, remembered after.
+fn qp_caps(ctx: *mut sys::ibv_context, name: &str, attr: &sys::ibv_device_attr) -> (u32, u32) {
+    let key = (name.to_owned(), attr.node_guid);
+    let cache = QP_CAPS.get_or_init(Mutex::default);
+    if let Some(&caps) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return caps;
+    }
+    let caps = probe_qp_caps(ctx, attr);
+    // Two threads probing at once both probe; both learn the same answer.
+    cache
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(key, caps);
+    caps
 }
 
 /// Creates throw-away RC queue pairs to learn the largest inline payload and gather list
