@@ -65,7 +65,8 @@ enum Cmd {
         /// Output format.
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
-        /// Only cases whose name contains this.
+        /// Only cases whose name contains this; several, comma separated, select the cases
+        /// that contain any of them (`--filter msg.,rma.write`).
         #[arg(long)]
         filter: Option<String>,
         /// List the cases and exit.

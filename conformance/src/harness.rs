@@ -196,8 +196,20 @@ pub fn note(text: impl Into<String>) {
     NOTE.with(|n| *n.borrow_mut() = Some(text.into()));
 }
 
-/// Per-case time limit.
+/// Per-case time limit at the default timeout (see [`case_limit`]).
 pub const CASE_LIMIT: Duration = Duration::from_secs(90);
+
+/// How much slower than native a run with this timeout says it is: the timeout over its
+/// default of 10 s, at least 1 (valgrind runs set [`ENV_TIMEOUT`] to 60: 6x).
+fn slowdown(timeout: Duration) -> u32 {
+    (timeout.as_secs() / 10).clamp(1, 360) as u32
+}
+
+/// The per-case time limit: [`CASE_LIMIT`], scaled by the run's slowdown (a raised
+/// [`ENV_TIMEOUT`]), so a case that needs 30 s natively is not called a hang under valgrind.
+pub fn case_limit() -> Duration {
+    CASE_LIMIT * slowdown(default_timeout())
+}
 
 impl Ctx {
     /// A context for `provider`. The address its endpoints listen on comes from
@@ -355,6 +367,13 @@ impl Ctx {
         let mut star = self.listening()?;
         star.connect(self, n)?;
         Ok(star)
+    }
+
+    /// A bound on how quickly something must happen natively (a non-blocking call, say),
+    /// scaled by the run's slowdown like the timeout: under valgrind, which runs code tens of
+    /// times slower, "at once" is longer. A blocking call still misses it by seconds.
+    pub fn slack(&self, native: Duration) -> Duration {
+        native * slowdown(self.timeout)
     }
 
     /// Starts a peer process (see [`crate::peer`]) and connects to it.
@@ -770,7 +789,8 @@ pub fn run_case(ctx: &Ctx, case: &Case) -> CaseResult {
                 let _ = tx.send((r, note));
             })
             .expect("spawn case thread");
-        match rx.recv_timeout(CASE_LIMIT) {
+        let limit = case_limit();
+        match rx.recv_timeout(limit) {
             Ok((Ok(outcome), n)) => {
                 note = n;
                 outcome
@@ -786,7 +806,7 @@ pub fn run_case(ctx: &Ctx, case: &Case) -> CaseResult {
             Err(_) => {
                 let tid = tid_rx.try_recv().ok().flatten();
                 Outcome::Fail(format!(
-                    "did not finish within {CASE_LIMIT:?} (hang){}",
+                    "did not finish within {limit:?} (hang){}",
                     hang_diagnosis(case.name, tid)
                 ))
             }

@@ -27,8 +27,19 @@ pub use cases::all_cases;
 pub use harness::{Case, Ctx, Outcome};
 pub use report::{CaseResult, Report};
 
-/// Runs every case (or those whose name contains `filter`) against each provider label: a
-/// provider name, or `initiator>target` for a mixed pair (see [`Ctx::from_label`]).
+/// True when a case called `name` is selected by `filter`: comma-separated substrings, any
+/// of which selects (empty pieces are ignored; nothing but them selects every case).
+pub fn filter_matches(filter: &str, name: &str) -> bool {
+    let mut pieces = filter
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .peekable();
+    pieces.peek().is_none() || pieces.any(|p| name.contains(p))
+}
+
+/// Runs every case (or those `filter` selects, see [`filter_matches`]) against each provider
+/// label: a provider name, or `initiator>target` for a mixed pair (see [`Ctx::from_label`]).
 pub fn run(
     providers: &[String],
     filter: Option<&str>,
@@ -39,7 +50,7 @@ pub fn run(
     for p in providers {
         let ctx = Ctx::from_label(p, peer_exe.clone());
         for case in all_cases() {
-            if filter.is_some_and(|f| !case.name.contains(f)) {
+            if filter.is_some_and(|f| !filter_matches(f, case.name)) {
                 continue;
             }
             let r = harness::run_case(&ctx, &case);
@@ -50,5 +61,22 @@ pub fn run(
     Report {
         providers: providers.to_vec(),
         cases: results,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::filter_matches;
+
+    #[test]
+    fn a_filter_selects_by_any_of_its_substrings() {
+        assert!(filter_matches("msg.", "msg.send_recv"));
+        assert!(!filter_matches("msg.", "rma.write"));
+        assert!(filter_matches("msg.,rma.", "rma.write"));
+        assert!(filter_matches(" rma.w , x", "rma.write"));
+        assert!(!filter_matches("msg.,cq.", "rma.write"));
+        assert!(filter_matches("", "rma.write"));
+        assert!(filter_matches(",", "rma.write"));
+        assert!(!filter_matches(",msg.", "rma.write"));
     }
 }
