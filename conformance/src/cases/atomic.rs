@@ -337,7 +337,7 @@ fn many_endpoints(ctx: &Ctx) -> CaseResultOf {
                     .ctx("post fetch_add")?;
                 posted += 1;
             }
-            let comp = next(&c.cq, Duration::from_secs(10))?;
+            let comp = next(&c.cq, ctx.timeout)?;
             ensure!(
                 comp.is_ok() && comp.opcode == Opcode::FetchAdd && comp.context == done as u64,
                 "expected fetch_add {done} to complete successfully, got {comp:?}"

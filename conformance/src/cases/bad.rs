@@ -1,7 +1,6 @@
 //! Section 8: bad input gets a clear error, never a crash, a hang or lost data.
 
 use std::io::Write;
-use std::time::Duration;
 
 use fabric::prelude::*;
 use fabric::Selector;
@@ -164,7 +163,7 @@ fn keeps_acknowledged(ctx: &Ctx) -> CaseResultOf {
     bad.key = bad.key.wrapping_add(1);
     p.a.post_send(&SendWr::write(2, &[src.all()], bad))
         .ctx("post bad")?;
-    let c = crate::harness::next(&p.cqa, Duration::from_secs(10))?;
+    let c = crate::harness::next(&p.cqa, ctx.timeout)?;
     ensure!(
         c.status == Status::Error(ErrorKind::RemoteAccess),
         "bad-key write completed {c:?}"

@@ -207,7 +207,7 @@ fn many_endpoints(ctx: &Ctx) -> CaseResultOf {
             .ctx("post_send")?;
     }
     for _ in 0..n {
-        let c = next(&star.server_cq, Duration::from_secs(10))?;
+        let c = next(&star.server_cq, ctx.timeout)?;
         ensure!(c.is_ok(), "server completion {c:?}");
         let j = c.context as usize;
         let from = u64::from_be_bytes(rq.buffer().to_vec(j * 8, 8).try_into().expect("8")) as usize;
