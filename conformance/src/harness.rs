@@ -369,9 +369,10 @@ impl Ctx {
         Ok(star)
     }
 
-    /// A bound on how quickly something must happen natively (a non-blocking call, say),
-    /// scaled by the run's slowdown like the timeout: under valgrind, which runs code tens of
-    /// times slower, "at once" is longer. A blocking call still misses it by seconds.
+    /// A native duration scaled by the run's slowdown like the timeout: a bound on how
+    /// quickly something must happen (a non-blocking call: a blocking one still misses it by
+    /// seconds), or a window in which something is given the time to happen before the case
+    /// looks. Under valgrind, which runs code tens of times slower, both are longer.
     pub fn slack(&self, native: Duration) -> Duration {
         native * slowdown(self.timeout)
     }

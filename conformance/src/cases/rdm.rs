@@ -446,7 +446,7 @@ fn reused_address(ctx: &Ctx) -> CaseResultOf {
         ),
         Ok(()) => return Err("a send to the old endpoint's handle was accepted".into()),
     }
-    let got = idle(&c, &a, Duration::from_millis(100))?;
+    let got = idle(&c, &a, ctx.slack(Duration::from_millis(100)))?;
     ensure!(
         got.is_empty(),
         "the new endpoint received what was sent to the old one: {got:?}"
@@ -643,7 +643,7 @@ fn non_overtaking(ctx: &Ctx) -> CaseResultOf {
         )
         .ctx("tsend")?;
     }
-    spin(&[&p.a, &p.b], Duration::from_millis(50))?;
+    spin(&[&p.a, &p.b], ctx.slack(Duration::from_millis(50)))?;
     for i in half..sizes.len() {
         p.b.trecv(
             Source::Any,
@@ -685,7 +685,7 @@ fn unexpected_then_posted(ctx: &Ctx) -> CaseResultOf {
     p.a.tsend(p.ab, 1, src.slice(0..100).ctx("slice")?, 1)
         .ctx("eager")?;
     p.a.tsend(p.ab, 2, src.all(), 2).ctx("rendezvous")?;
-    let sent = idle(&p.a, &p.b, Duration::from_millis(100))?;
+    let sent = idle(&p.a, &p.b, ctx.slack(Duration::from_millis(100)))?;
     ensure!(
         !sent.iter().any(|c| c.context == 2),
         "a rendezvous send completed before any receive matched it"
@@ -798,7 +798,7 @@ fn probe_claim(ctx: &Ctx) -> CaseResultOf {
     p.b.trecv(Source::Any, 4, 0, RecvBuf::whole(other), 2)
         .ctx("trecv")?;
     ensure!(
-        idle(&p.b, &p.a, Duration::from_millis(50))?.is_empty(),
+        idle(&p.b, &p.a, ctx.slack(Duration::from_millis(50)))?.is_empty(),
         "a posted receive took the claimed message"
     );
     let dst = recv_region(&p.db, 64)?;
@@ -820,7 +820,7 @@ fn sync_send(ctx: &Ctx) -> CaseResultOf {
     for (k, len) in [(1u64, 64usize), (2, big)] {
         p.a.tsend_sync(p.ab, k, src.slice(0..len).ctx("slice")?, k)
             .ctx("tsend_sync")?;
-        let early = idle(&p.a, &p.b, Duration::from_millis(200))?;
+        let early = idle(&p.a, &p.b, ctx.slack(Duration::from_millis(200)))?;
         ensure!(
             early.is_empty(),
             "a {len}-byte synchronous send completed before any receive: {early:?}"
