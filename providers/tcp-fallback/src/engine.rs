@@ -39,10 +39,13 @@
 //! polling, from the progress thread within `HANDOFF` (which never sleeps without a limit
 //! while a note is pending). An ack is due `ack_hold` after its deferral (`TcpOptions::
 //! ack_hold`: [`ACK_HOLD`], 1 ms, in `auto` mode; zero, the next poll, in `manual` mode),
-//! or at once when the connection owes acks of more than [`ACK_HOLD_MAX`] operations:
-//! polls in between leave it held, so that a rank of a collective, which polls while it
-//! waits for another partner, sends it with its next message to that peer instead of in
-//! a `send` of its own (and its peer saves a `recv`). A poll finds nothing due with one
+//! or at once when the connection owes acks of more than [`ACK_HOLD_MAX`] operations, or
+//! when no message of the application has carried acks on that connection since a hold
+//! last expired (a target that never answers that peer, whose sender may be waiting for
+//! each completion, pays the hold once at most): polls in between leave it held, so that a
+//! rank of a collective, which polls while it waits for another partner, sends it with its
+//! next message to that peer instead of in a `send` of its own (and its peer saves a
+//! `recv`). A poll finds nothing due with one
 //! clock read. Passes of the progress thread, a close or a drain send acks before the
 //! completions, as before.
 //! Requests posted with `SendFlags::MORE` are held the same way (libfabric's `FI_MORE`):

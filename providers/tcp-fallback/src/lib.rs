@@ -87,8 +87,9 @@ pub struct TcpOptions {
     /// How long the application's polls may keep a delivery ack that its own pass
     /// deferred held, for its next message to that peer to carry (docs/contract.md section
     /// 4): `None` is 1 ms in progress mode `Auto` and nothing (the next poll sends it) in
-    /// `Manual`; zero never holds one across a poll. Waits, arms, closes and the progress
-    /// thread send held acks whatever this says.
+    /// `Manual`; zero never holds one across a poll. Only on a connection where a message
+    /// of the application has carried acks since a hold last expired; waits, arms, closes
+    /// and the progress thread send held acks whatever this says.
     pub ack_hold: Option<Duration>,
 }
 

@@ -397,8 +397,11 @@ fn poll_n(cq: &TcpCq, other: &TcpCq, n: usize, what: &str) -> Vec<fabric_api::Co
 /// With `TcpOptions::ack_hold`, the delivery ack of a message the target's poll placed is
 /// held across the target's later polls (a rank of a collective polls between two messages
 /// to one partner), and rides on its next message to that peer; a wait sends it, and so
-/// does a poll once it acknowledges more than a few messages. Manual progress, so that no
-/// progress thread sends it meanwhile, and a hold of an hour, so that no clock decides.
+/// does a poll once it acknowledges more than a few messages. Not before a message of the
+/// target has carried acks to that peer: a sender that waits for each completion from a
+/// target that never answers (a stream with a window of one) gets every ack at the target's
+/// next poll. Manual progress, so that no progress thread sends it meanwhile, and a hold of
+/// an hour, so that no clock decides.
 #[test]
 fn polls_hold_a_deferred_ack_for_the_next_message_to_that_peer() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -421,6 +424,25 @@ fn polls_hold_a_deferred_ack_for_the_next_message_to_that_peer() {
         .register(Arc::new(Buffer::new(8)), Access::LOCAL_WRITE)
         .unwrap();
     let mut out = Vec::new();
+    // A stream, one message at a time: the target only polls, and each send completes.
+    for k in 0..3u64 {
+        b.post_recv(&fabric_api::RecvWr::new(k, &[dst.all()]))
+            .unwrap();
+        a.post_send(&SendWr::send(100 + k, &[src.all()])).unwrap();
+        let c = poll_n(&cq_a, &cq_b, 1, "a stream's send").pop().unwrap();
+        assert_eq!((c.context, c.status), (100 + k, Status::Success));
+        poll_n(&cq_b, &cq_a, 1, "a stream's receive");
+    }
+    // The target answers before it polls again: its message carries the ack.
+    b.post_recv(&fabric_api::RecvWr::new(7, &[dst.all()]))
+        .unwrap();
+    a.post_send(&SendWr::send(107, &[src.all()])).unwrap();
+    poll_n(&cq_b, &cq_a, 1, "the ping");
+    a.post_recv(&fabric_api::RecvWr::new(8, &[back.all()]))
+        .unwrap();
+    b.post_send(&SendWr::send(108, &[src.all()])).unwrap();
+    poll_n(&cq_a, &cq_b, 2, "the ping's send and the pong");
+    poll_n(&cq_b, &cq_a, 1, "the pong's send");
     for round in 0..3u64 {
         // The target's poll places the message: its ack is deferred ...
         b.post_recv(&fabric_api::RecvWr::new(round, &[dst.all()]))

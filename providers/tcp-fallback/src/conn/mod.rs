@@ -262,6 +262,11 @@ struct State {
     /// 1: at its next look; 0: none deferred), set when an application's pass first defers
     /// them (see [`Conn::send_held_due`]).
     held_due: u64,
+    /// Whether polls may hold deferred acks: set when a message the application posted
+    /// carried acks owed, cleared when a held ack expired instead. A target that never
+    /// sends to this peer (a stream, a sender waiting for each completion) then pays the
+    /// hold once at most; until a message has carried acks, none is held.
+    hold_ok: bool,
     /// Messages of requests posted with `SendFlags::MORE`, held back to leave with the
     /// next ones in one `send` (at most `DIRECT_LIMIT` bytes of payload), and their bytes.
     corked: Vec<OutMsg>,
@@ -382,6 +387,7 @@ impl Conn {
                 batching: false,
                 acks_owed: [0; 2],
                 held_due: 0,
+                hold_ok: false,
                 corked: Vec::new(),
                 corked_bytes: 0,
                 spare_msgs: Vec::new(),
@@ -557,8 +563,10 @@ impl Conn {
     /// ([`crate::engine::now_ns`]), only if it is due: requests posted with
     /// `SendFlags::MORE` are due at once, and deferred acks once they acknowledge more than
     /// [`ACK_HOLD_MAX`](crate::engine::ACK_HOLD_MAX) operations or were deferred the
-    /// engine's `ack_hold` ago. Until then they stay held for the next message to this
-    /// peer to carry (a rank of a collective polls between two messages to one partner).
+    /// engine's `ack_hold` ago, or at once unless a message of the application has carried
+    /// acks to this peer since the last hold expired (`State::hold_ok`). Until then they
+    /// stay held for the next message to this peer to carry (a rank of a collective polls
+    /// between two messages to one partner).
     /// Returns when they are due if they stay held.
     pub fn send_held_due(&self, now: u64) -> Option<u64> {
         let mut st = self.lock();
@@ -567,6 +575,11 @@ impl Conn {
         }
         if st.corked.is_empty() && st.held_due != 0 && now < st.held_due {
             return Some(st.held_due);
+        }
+        if st.held_due > 1 && st.acks_owed != [0; 2] {
+            // Held for the whole `ack_hold` and no message came to carry it: this peer
+            // is not answered the way a hold pays for.
+            st.hold_ok = false;
         }
         self.transmit_held(&mut st);
         None
@@ -1075,6 +1088,9 @@ impl Conn {
             self.fill_emu(st, &mut g.msgs, i, fill);
         }
         st.sends_out += g.sends;
+        if st.acks_owed != [0; 2] {
+            st.hold_ok = true; // this message carries them (below, or with the cork)
+        }
         let len: usize = g.msgs.iter().map(|m| m.payload.len()).sum();
         if more && st.corked_bytes + len <= DIRECT_LIMIT {
             st.corked_bytes += len;
@@ -1453,7 +1469,7 @@ impl Conn {
         } else {
             let hold = self.engine.ack_hold_ns;
             let owed = st.acks_owed[0].saturating_add(st.acks_owed[1]);
-            if hold == 0 || owed > crate::engine::ACK_HOLD_MAX {
+            if hold == 0 || !st.hold_ok || owed > crate::engine::ACK_HOLD_MAX {
                 st.held_due = 1;
             } else if st.held_due == 0 {
                 st.held_due = crate::engine::now_ns().saturating_add(hold).max(2);
