@@ -45,9 +45,8 @@
 //! each completion, pays the hold once at most): polls in between leave it held, so that a
 //! rank of a collective, which polls while it waits for another partner, sends it with its
 //! next message to that peer instead of in a `send` of its own (and its peer saves a
-//! `recv`). A poll finds nothing due with one
-//! clock read. Passes of the progress thread, a close or a drain send acks before the
-//! completions, as before.
+//! `recv`). A poll finds nothing due with one clock read. Passes of the progress thread, a
+//! close or a drain send acks before the completions, as before.
 //! Requests posted with `SendFlags::MORE` are held the same way (libfabric's `FI_MORE`):
 //! small messages then leave together, in one `send`, with the next post without `MORE`.
 //! Reads stop at a short `recv` (the socket was empty; a later arrival raises a new edge)

@@ -576,7 +576,7 @@ impl Conn {
         if st.corked.is_empty() && st.held_due != 0 && now < st.held_due {
             return Some(st.held_due);
         }
-        if st.held_due > 1 && st.acks_owed != [0; 2] {
+        if st.held_due > 1 && now >= st.held_due && st.acks_owed != [0; 2] {
             // Held for the whole `ack_hold` and no message came to carry it: this peer
             // is not answered the way a hold pays for.
             st.hold_ok = false;
