@@ -27,6 +27,8 @@
 //! max_segment = 65472                # payload bytes per FPDU
 //! dead_peer_timeout_ms = 10000       # a silent peer host fails the endpoint within this
 //! progress = "auto"                  # "auto": a progress thread per domain; "manual": polls only
+//! ack_hold_us = 1000                 # how long polls may hold a deferred delivery ack
+//!                                    # (default 1000 with "auto", 0 with "manual")
 //!
 //! hooks = ["trace", "fault"]         # wrap the provider (FABRIC_HOOKS=trace,fault)
 //!
@@ -246,6 +248,7 @@ struct TcpSection {
     max_segment: Option<usize>,
     dead_peer_timeout_ms: Option<u64>,
     progress: Option<String>,
+    ack_hold_us: Option<u64>,
 }
 
 /// Chooses a provider from configuration and opens a domain on it.
@@ -366,6 +369,15 @@ impl Selector {
                     ));
                 }
                 self.tcp.dead_peer_timeout = std::time::Duration::from_millis(ms);
+            }
+            if let Some(us) = t.ack_hold_us {
+                if us > 1_000_000 {
+                    return Err(Error::new(
+                        ErrorKind::Config,
+                        format!("[tcp] ack_hold_us = {us}: expected 0..=1000000"),
+                    ));
+                }
+                self.tcp.ack_hold = Some(std::time::Duration::from_micros(us));
             }
             if let Some(p) = t.progress {
                 self.tcp.progress = match p.as_str() {
@@ -814,13 +826,17 @@ mod tests {
             .open()
             .is_err());
         let s = Selector::new()
-            .config_str("[tcp]\nprogress = \"manual\"\ndead_peer_timeout_ms = 5000\n")
+            .config_str(
+                "[tcp]\nprogress = \"manual\"\ndead_peer_timeout_ms = 5000\nack_hold_us = 0\n",
+            )
             .unwrap();
         assert_eq!(s.tcp.progress, fabric_tcp::ProgressMode::Manual);
+        assert_eq!(s.tcp.ack_hold, Some(std::time::Duration::ZERO));
         assert_eq!(s.tcp.dead_peer_timeout, std::time::Duration::from_secs(5));
         for (bad, key) in [
             ("progress = \"sometimes\"", "progress"),
             ("dead_peer_timeout_ms = 1", "dead_peer_timeout_ms"),
+            ("ack_hold_us = 2000000", "ack_hold_us"),
         ] {
             let e = Selector::new()
                 .config_str(&format!("[tcp]\n{bad}\n"))

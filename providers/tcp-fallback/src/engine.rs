@@ -35,9 +35,18 @@
 //! ping-pong then costs one system call and one segment per message instead of two). The
 //! connection is noted in the poll sets of both its completion queues and of the domain
 //! (`PollSet::note_held`), so the ack leaves at the latest at the application's next
-//! poll, wait or arm on either queue, or, once it stops polling, from the progress thread
-//! within `HANDOFF` (which never sleeps without a limit while a note is pending). Passes of
-//! the progress thread, a close or a drain send acks before the completions, as before.
+//! wait or arm on either queue, at its first poll once the ack is due, or, once it stops
+//! polling, from the progress thread within `HANDOFF` (which never sleeps without a limit
+//! while a note is pending). An ack is due `ack_hold` after its deferral (`TcpOptions::
+//! ack_hold`: [`ACK_HOLD`], 1 ms, in `auto` mode; zero, the next poll, in `manual` mode),
+//! or at once when the connection owes acks of more than [`ACK_HOLD_MAX`] operations, or
+//! when no message of the application has carried acks on that connection since a hold
+//! last expired (a target that never answers that peer, whose sender may be waiting for
+//! each completion, pays the hold once at most): polls in between leave it held, so that a
+//! rank of a collective, which polls while it waits for another partner, sends it with its
+//! next message to that peer instead of in a `send` of its own (and its peer saves a
+//! `recv`). A poll finds nothing due with one clock read. Passes of the progress thread, a
+//! close or a drain send acks before the completions, as before.
 //! Requests posted with `SendFlags::MORE` are held the same way (libfabric's `FI_MORE`):
 //! small messages then leave together, in one `send`, with the next post without `MORE`.
 //! Reads stop at a short `recv` (the socket was empty; a later arrival raises a new edge)
@@ -76,9 +85,19 @@ mod loom_models;
 /// progress thread leaves that connection to it (see the module docs).
 pub(crate) const HANDOFF: Duration = Duration::from_millis(1);
 
+/// How long a poll of the application may keep a deferred delivery ack held, by default
+/// in progress mode `auto` (`TcpOptions::ack_hold`; see the module docs): as long as the
+/// progress thread takes to send it once the application stops polling.
+pub(crate) const ACK_HOLD: Duration = HANDOFF;
+
+/// Acks held across polls at most, per connection (messages and writes they acknowledge):
+/// more go at the next poll, so that a sender with a window of messages in flight is
+/// never kept waiting for them.
+pub(crate) const ACK_HOLD_MAX: u32 = 4;
+
 /// Nanoseconds since the first call in this process: a cheap, monotonic clock for
-/// [`PollSet::app_driven`].
-fn now_ns() -> u64 {
+/// [`PollSet::app_driven`] and the deadlines of held acks.
+pub(crate) fn now_ns() -> u64 {
     static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
     u64::try_from(EPOCH.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
@@ -174,6 +193,10 @@ pub(crate) struct PollSet<P: Poller = Poll> {
     /// and 1 while there may be any (checked without the lock on every look).
     owed: Mutex<TokenMap<Weak<Conn>>>,
     owes: AtomicUsize,
+    /// The earliest time ([`now_ns`]) at which a poll must send what a connection in
+    /// `owed` holds back (`u64::MAX`: none is due before the table changes); see
+    /// [`PollSet::send_due`].
+    owed_due: AtomicU64,
     /// Threads inside `epoll_wait` on this set (wake them when something else completes).
     pub sleepers: AtomicUsize,
     /// 1 while the application waits for this (completion queue's) set's descriptor to
@@ -235,6 +258,7 @@ impl<P: Poller> PollSet<P> {
             conns: Mutex::new(TokenMap::default()),
             owed: Mutex::new(TokenMap::default()),
             owes: AtomicUsize::new(0),
+            owed_due: AtomicU64::new(u64::MAX),
             sleepers: AtomicUsize::new(0),
             armed: AtomicUsize::new(0),
             driven_at: AtomicU64::new(0),
@@ -303,9 +327,11 @@ impl<P: Poller> PollSet<P> {
 
     /// Looks for readiness without waiting and makes progress on every ready connection;
     /// does nothing when another thread is polling this set (it does the work).
+    /// Held output goes only once due ([`PollSet::send_due`]): the application is still
+    /// polling, and a message it posts meanwhile carries the acks.
     pub fn run_now(&self) {
         self.mark_driven();
-        self.send_held();
+        self.send_due();
         if let Ok(mut poll) = self.poll.try_lock() {
             self.dispatch(&mut poll, Some(Duration::ZERO));
         }
@@ -344,13 +370,15 @@ impl<P: Poller> PollSet<P> {
 
     /// Notes that `conn` holds output back (acks deferred by an application's progress
     /// pass, see [`Conn::progress_app`]; requests posted with `SendFlags::MORE`): this
-    /// set's next look sends it, if nothing carried it before. Wakes a thread sleeping in the set without a limit (the domain's progress
-    /// thread), which then keeps the connection in view.
-    pub fn note_held(&self, conn: &Arc<Conn>) {
+    /// set's next wait or arm sends it, and its next poll once `due` ([`now_ns`]; 1: at
+    /// once), if nothing carried it before. Wakes a thread sleeping in the set without a
+    /// limit (the domain's progress thread), which then keeps the connection in view.
+    pub fn note_held(&self, conn: &Arc<Conn>, due: u64) {
         self.owed
             .lock()
             .expect("poll set poisoned")
             .insert(conn.token, Arc::downgrade(conn));
+        self.owed_due.fetch_min(due, Ordering::SeqCst);
         self.owes.store(1, Ordering::SeqCst);
         self.wake();
     }
@@ -363,6 +391,7 @@ impl<P: Poller> PollSet<P> {
             return;
         }
         self.owes.store(0, Ordering::SeqCst);
+        self.owed_due.store(u64::MAX, Ordering::SeqCst);
         let mut taken = std::mem::take(&mut *self.owed.lock().expect("poll set poisoned"));
         for (_, w) in taken.drain() {
             f(w);
@@ -383,6 +412,49 @@ impl<P: Poller> PollSet<P> {
                 c.send_held();
             }
         });
+    }
+
+    /// The application polls: what its connections hold back goes out if it is due
+    /// ([`Conn::send_held_due`]: corked requests, acks of more than [`ACK_HOLD_MAX`]
+    /// operations, acks held for the engine's `ack_hold`); the rest stays held, to ride
+    /// on the next message to that peer or leave at a later look. A look costs one clock
+    /// read while nothing is due.
+    fn send_due(&self) {
+        if self.owes.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let now = now_ns();
+        if now < self.owed_due.load(Ordering::Relaxed) {
+            return;
+        }
+        self.owes.store(0, Ordering::SeqCst);
+        self.owed_due.store(u64::MAX, Ordering::SeqCst);
+        let mut taken = std::mem::take(&mut *self.owed.lock().expect("poll set poisoned"));
+        let mut next = u64::MAX;
+        taken.retain(
+            |_, w| match w.upgrade().and_then(|c| c.send_held_due(now)) {
+                Some(due) => {
+                    next = next.min(due);
+                    true
+                }
+                None => false,
+            },
+        );
+        let mut owed = self.owed.lock().expect("poll set poisoned");
+        if taken.is_empty() {
+            if owed.is_empty() {
+                *owed = taken; // the allocation is reused
+            }
+            return;
+        }
+        if owed.is_empty() {
+            *owed = taken;
+        } else {
+            owed.extend(taken.drain());
+        }
+        drop(owed);
+        self.owed_due.fetch_min(next, Ordering::SeqCst);
+        self.owes.store(1, Ordering::SeqCst);
     }
 
     /// Waits up to `timeout` for readiness; appends the connections found ready to `out`.
@@ -480,15 +552,25 @@ impl PollSet {
 #[derive(Debug)]
 pub(crate) struct Engine {
     pub mode: ProgressMode,
+    /// How long an application's poll may keep a deferred ack held (ns; 0: not at all).
+    pub ack_hold_ns: u64,
     pub set: Arc<PollSet>,
     stop: Arc<AtomicBool>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Engine {
-    pub fn new(mode: ProgressMode) -> io::Result<Engine> {
+    /// An engine in `mode`; `ack_hold` as `TcpOptions::ack_hold` (`None`: [`ACK_HOLD`]
+    /// in `auto` mode, nothing in `manual` mode, where no thread sends an ack the
+    /// application stopped polling for).
+    pub fn new(mode: ProgressMode, ack_hold: Option<Duration>) -> io::Result<Engine> {
+        let hold = ack_hold.unwrap_or(match mode {
+            ProgressMode::Auto => ACK_HOLD,
+            ProgressMode::Manual => Duration::ZERO,
+        });
         Ok(Engine {
             mode,
+            ack_hold_ns: u64::try_from(hold.as_nanos()).unwrap_or(u64::MAX),
             set: Arc::new(PollSet::new()?),
             stop: Arc::new(AtomicBool::new(false)),
             thread: Mutex::new(None),

@@ -84,6 +84,13 @@ pub struct TcpOptions {
     /// Who makes progress: a progress thread per domain plus the application (`Auto`), or
     /// the application's polls alone (`Manual`). See [`engine`].
     pub progress: ProgressMode,
+    /// How long the application's polls may keep a delivery ack that its own pass
+    /// deferred held, for its next message to that peer to carry (docs/contract.md section
+    /// 4): `None` is 1 ms in progress mode `Auto` and nothing (the next poll sends it) in
+    /// `Manual`; zero never holds one across a poll. Only on a connection where a message
+    /// of the application has carried acks since a hold last expired; waits, arms, closes
+    /// and the progress thread send held acks whatever this says.
+    pub ack_hold: Option<Duration>,
 }
 
 /// Keepalive probes sent before a silent peer is declared dead.
@@ -97,6 +104,7 @@ impl Default for TcpOptions {
             max_segment: 65_472,
             dead_peer_timeout: Duration::from_secs(10),
             progress: ProgressMode::Auto,
+            ack_hold: None,
         }
     }
 }
@@ -191,7 +199,7 @@ impl TcpDomain {
             shared: Arc::new(DomainShared {
                 id: fabric_api::region::next_domain_id(),
                 keys: Arc::default(),
-                engine: Arc::new(engine::Engine::new(opts.progress)?),
+                engine: Arc::new(engine::Engine::new(opts.progress, opts.ack_hold)?),
                 opts,
                 info: info(),
             }),

@@ -379,3 +379,143 @@ fn a_receive_post_placing_an_early_message_defers_its_ack() {
         }
     }
 }
+
+/// Polls until `cq` yields `n` completions (the other queue polled too: manual progress),
+/// returning them.
+fn poll_n(cq: &TcpCq, other: &TcpCq, n: usize, what: &str) -> Vec<fabric_api::Completion> {
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while got.len() < n {
+        assert!(Instant::now() < deadline, "{what}: {} of {n}", got.len());
+        let want = n - got.len();
+        cq.poll(&mut got, want).unwrap();
+        other.poll(&mut Vec::new(), 0).unwrap();
+    }
+    got
+}
+
+/// With `TcpOptions::ack_hold`, the delivery ack of a message the target's poll placed is
+/// held across the target's later polls (a rank of a collective polls between two messages
+/// to one partner), and rides on its next message to that peer; a wait sends it, and so
+/// does a poll once it acknowledges more than a few messages. Not before a message of the
+/// target has carried acks to that peer: a sender that waits for each completion from a
+/// target that never answers (a stream with a window of one) gets every ack at the target's
+/// next poll. Manual progress, so that no progress thread sends it meanwhile, and a hold of
+/// an hour, so that no clock decides.
+#[test]
+fn polls_hold_a_deferred_ack_for_the_next_message_to_that_peer() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let domain = TcpDomain::open(TcpOptions {
+        progress: ProgressMode::Manual,
+        ack_hold: Some(Duration::from_secs(3600)),
+        ..TcpOptions::default()
+    })
+    .unwrap();
+    let cq_a = domain.create_cq(64).unwrap();
+    let cq_b = domain.create_cq(64).unwrap();
+    let (a, b) = connect(&domain, &cq_a, &cq_b, 1).pop().unwrap();
+    let src = domain
+        .register(Arc::new(Buffer::from_slice(b"held ack")), Access::empty())
+        .unwrap();
+    let dst = domain
+        .register(Arc::new(Buffer::new(8)), Access::LOCAL_WRITE)
+        .unwrap();
+    let back = domain
+        .register(Arc::new(Buffer::new(8)), Access::LOCAL_WRITE)
+        .unwrap();
+    let mut out = Vec::new();
+    // A stream, one message at a time: the target only polls, and each send completes.
+    for k in 0..3u64 {
+        b.post_recv(&fabric_api::RecvWr::new(k, &[dst.all()]))
+            .unwrap();
+        a.post_send(&SendWr::send(100 + k, &[src.all()])).unwrap();
+        let c = poll_n(&cq_a, &cq_b, 1, "a stream's send").pop().unwrap();
+        assert_eq!((c.context, c.status), (100 + k, Status::Success));
+        poll_n(&cq_b, &cq_a, 1, "a stream's receive");
+    }
+    // The target answers before it polls again: its message carries the ack.
+    b.post_recv(&fabric_api::RecvWr::new(7, &[dst.all()]))
+        .unwrap();
+    a.post_send(&SendWr::send(107, &[src.all()])).unwrap();
+    poll_n(&cq_b, &cq_a, 1, "the ping");
+    a.post_recv(&fabric_api::RecvWr::new(8, &[back.all()]))
+        .unwrap();
+    b.post_send(&SendWr::send(108, &[src.all()])).unwrap();
+    poll_n(&cq_a, &cq_b, 2, "the ping's send and the pong");
+    poll_n(&cq_b, &cq_a, 1, "the pong's send");
+    for round in 0..3u64 {
+        // The target's poll places the message: its ack is deferred ...
+        b.post_recv(&fabric_api::RecvWr::new(round, &[dst.all()]))
+            .unwrap();
+        a.post_send(&SendWr::send(1000 + round, &[src.all()]))
+            .unwrap();
+        let c = poll_n(&cq_b, &cq_a, 1, "receive").pop().unwrap();
+        assert_eq!((c.context, c.status), (round, Status::Success));
+        // ... and stays held while the target keeps polling: the sender sees nothing.
+        for _ in 0..200 {
+            assert_eq!(cq_b.poll(&mut out, 1).unwrap(), 0);
+            assert_eq!(
+                cq_a.poll(&mut out, 1).unwrap(),
+                0,
+                "round {round}: an empty poll of the target sent the held ack"
+            );
+        }
+        // The target's next message to the sender carries it.
+        a.post_recv(&fabric_api::RecvWr::new(2000 + round, &[back.all()]))
+            .unwrap();
+        b.post_send(&SendWr::send(3000 + round, &[src.all()]))
+            .unwrap();
+        let mut got: Vec<_> = (0..2)
+            .map(|_| {
+                let deadline = Instant::now() + Duration::from_secs(10);
+                loop {
+                    if cq_a.poll(&mut out, 1).unwrap() == 1 {
+                        break out.pop().unwrap();
+                    }
+                    assert!(Instant::now() < deadline, "round {round}: no ack rode");
+                }
+            })
+            .map(|c| (c.context, c.status))
+            .collect();
+        got.sort_by_key(|c| c.0);
+        assert_eq!(
+            got,
+            [
+                (1000 + round, Status::Success),
+                (2000 + round, Status::Success)
+            ]
+        );
+        // The sender's own poll placed the reply, so it holds that ack in turn; its wait
+        // sends it.
+        assert!(!cq_a.wait(Duration::from_millis(1)).unwrap());
+        let c = poll_n(&cq_b, &cq_a, 1, "the target's send").pop().unwrap();
+        assert_eq!((c.context, c.status), (3000 + round, Status::Success));
+    }
+    // More than a few acks owed: the target's next poll sends them.
+    for k in 0..5u64 {
+        b.post_recv(&fabric_api::RecvWr::new(k, &[dst.all()]))
+            .unwrap();
+        a.post_send(&SendWr::send(4000 + k, &[src.all()])).unwrap();
+    }
+    poll_n(&cq_b, &cq_a, 5, "five receives");
+    let sent = poll_n(&cq_a, &cq_b, 5, "five sends: acks of five held");
+    assert!(sent.iter().all(|c| c.status == Status::Success));
+    // A wait sends a held ack at once.
+    b.post_recv(&fabric_api::RecvWr::new(9, &[dst.all()]))
+        .unwrap();
+    a.post_send(&SendWr::send(5000, &[src.all()])).unwrap();
+    poll_n(&cq_b, &cq_a, 1, "receive before the wait");
+    for _ in 0..50 {
+        assert_eq!(cq_b.poll(&mut out, 1).unwrap(), 0);
+        assert_eq!(cq_a.poll(&mut out, 1).unwrap(), 0, "held ack sent early");
+    }
+    assert!(!cq_b.wait(Duration::from_millis(1)).unwrap());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while cq_a.poll(&mut out, 1).unwrap() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the wait did not send the held ack"
+        );
+    }
+    assert_eq!(out.pop().unwrap().context, 5000);
+}

@@ -258,6 +258,15 @@ struct State {
     batching: bool,
     /// Acks owed: RDMA Writes placed, messages matched.
     acks_owed: [u32; 2],
+    /// When a poll of the application must send the acks owed ([`crate::engine::now_ns`];
+    /// 1: at its next look; 0: none deferred), set when an application's pass first defers
+    /// them (see [`Conn::send_held_due`]).
+    held_due: u64,
+    /// Whether polls may hold deferred acks: set when a message the application posted
+    /// carried acks owed, cleared when a held ack expired instead. A target that never
+    /// sends to this peer (a stream, a sender waiting for each completion) then pays the
+    /// hold once at most; until a message has carried acks, none is held.
+    hold_ok: bool,
     /// Messages of requests posted with `SendFlags::MORE`, held back to leave with the
     /// next ones in one `send` (at most `DIRECT_LIMIT` bytes of payload), and their bytes.
     corked: Vec<OutMsg>,
@@ -377,6 +386,8 @@ impl Conn {
                 next_req_id: 1,
                 batching: false,
                 acks_owed: [0; 2],
+                held_due: 0,
+                hold_ok: false,
                 corked: Vec::new(),
                 corked_bytes: 0,
                 spare_msgs: Vec::new(),
@@ -493,9 +504,10 @@ impl Conn {
     /// places are deferred instead of sent ahead of the receive completions: the
     /// application is about to see them and, in a ping-pong, to answer, and its next send
     /// carries the acks in the same `send` (one system call and one segment instead of
-    /// two). At the latest they leave at the application's next poll, wait or arm on
-    /// either queue, a post, a close, or, when it stops polling, within `HANDOFF` from the
-    /// domain's progress thread (docs/contract.md section 4).
+    /// two). At the latest they leave at the application's next wait or arm on either
+    /// queue, its first poll once they are due ([`Conn::send_held_due`]), a close, or, when
+    /// it stops polling, within `HANDOFF` from the domain's progress thread
+    /// (docs/contract.md section 4).
     pub fn progress_app(self: &Arc<Self>) {
         if self.progress_as(true) {
             self.defer_output();
@@ -506,6 +518,14 @@ impl Conn {
     /// posted with `SendFlags::MORE`) in the poll sets of both completion queues and of
     /// the domain, which send it when the application is back or stops polling.
     pub fn defer_output(self: &Arc<Self>) {
+        let due = {
+            let st = self.lock();
+            if st.corked.is_empty() && st.held_due != 0 {
+                st.held_due
+            } else {
+                1
+            }
+        };
         let sets = [
             self.engine.set.as_ref(),
             self.send_cq.set(),
@@ -513,7 +533,7 @@ impl Conn {
         ];
         for (i, set) in sets.iter().enumerate() {
             if !sets[..i].iter().any(|s| std::ptr::eq(*s, *set)) {
-                set.note_held(self);
+                set.note_held(self, due);
             }
         }
     }
@@ -537,6 +557,32 @@ impl Conn {
         if !st.batching {
             self.transmit_held(&mut st);
         }
+    }
+
+    /// [`Conn::send_held`] for a poll of the application at `now`
+    /// ([`crate::engine::now_ns`]), only if it is due: requests posted with
+    /// `SendFlags::MORE` are due at once, and deferred acks once they acknowledge more than
+    /// [`ACK_HOLD_MAX`](crate::engine::ACK_HOLD_MAX) operations or were deferred the
+    /// engine's `ack_hold` ago, or at once unless a message of the application has carried
+    /// acks to this peer since the last hold expired (`State::hold_ok`). Until then they
+    /// stay held for the next message to this peer to carry (a rank of a collective polls
+    /// between two messages to one partner).
+    /// Returns when they are due if they stay held.
+    pub fn send_held_due(&self, now: u64) -> Option<u64> {
+        let mut st = self.lock();
+        if st.batching {
+            return None; // the batch's end sends or defers them again
+        }
+        if st.corked.is_empty() && st.held_due != 0 && now < st.held_due {
+            return Some(st.held_due);
+        }
+        if st.held_due > 1 && now >= st.held_due && st.acks_owed != [0; 2] {
+            // Held for the whole `ack_hold` and no message came to carry it: this peer
+            // is not answered the way a hold pays for.
+            st.hold_ok = false;
+        }
+        self.transmit_held(&mut st);
+        None
     }
 
     /// Writes what the socket takes of the transmit queue, then marks what went out.
@@ -1042,6 +1088,9 @@ impl Conn {
             self.fill_emu(st, &mut g.msgs, i, fill);
         }
         st.sends_out += g.sends;
+        if st.acks_owed != [0; 2] {
+            st.hold_ok = true; // this message carries them (below, or with the cork)
+        }
         let len: usize = g.msgs.iter().map(|m| m.payload.len()).sum();
         if more && st.corked_bytes + len <= DIRECT_LIMIT {
             st.corked_bytes += len;
@@ -1417,6 +1466,14 @@ impl Conn {
         let deferred = defer && st.acks_owed != [0; 2] && st.status == EndpointState::Connected;
         if !deferred {
             self.transmit_held(st);
+        } else {
+            let hold = self.engine.ack_hold_ns;
+            let owed = st.acks_owed[0].saturating_add(st.acks_owed[1]);
+            if hold == 0 || !st.hold_ok || owed > crate::engine::ACK_HOLD_MAX {
+                st.held_due = 1;
+            } else if st.held_due == 0 {
+                st.held_due = crate::engine::now_ns().saturating_add(hold).max(2);
+            }
         }
         for c in st.received.drain(..) {
             self.recv_cq.push(c);
@@ -1439,6 +1496,7 @@ impl Conn {
         if st.acks_owed == [0; 2] && st.corked.is_empty() {
             return Vec::new();
         }
+        st.held_due = 0;
         let mut held = std::mem::take(&mut st.spare_msgs);
         held.clear();
         for (kind, flag) in [(0, 0), (1, ddp::ACK_MESSAGES)] {
