@@ -38,8 +38,8 @@
 //! wait or arm on either queue, at its first poll once the ack is due, or, once it stops
 //! polling, from the progress thread within `HANDOFF` (which never sleeps without a limit
 //! while a note is pending). An ack is due `ack_hold` after its deferral (`TcpOptions::
-//! ack_hold`: [`ACK_HOLD`], 1 ms, in `auto` mode; zero, the next poll, in `manual` mode),
-//! or at once when the connection owes acks of more than [`ACK_HOLD_MAX`] operations, or
+//! ack_hold`: `ACK_HOLD`, 1 ms, in `auto` mode; zero, the next poll, in `manual` mode),
+//! or at once when the connection owes acks of more than `ACK_HOLD_MAX` operations, or
 //! when no message of the application has carried acks on that connection since a hold
 //! last expired (a target that never answers that peer, whose sender may be waiting for
 //! each completion, pays the hold once at most): polls in between leave it held, so that a
