@@ -187,14 +187,15 @@ fn le_bytes(words: &[u64]) -> Vec<u8> {
     words.iter().flat_map(|w| w.to_le_bytes()).collect()
 }
 
-/// Reads `n` little-endian words of an area at `off` (aligned, inside the area).
-fn read_words(buf: &Buffer, off: usize, n: usize) -> Option<Vec<u64>> {
-    (0..n)
-        .map(|i| {
-            buf.atomic_u64(off + 8 * i)
-                .map(|w| u64::from_le(w.load(Ordering::Acquire)))
-        })
-        .collect()
+/// Reads `N` little-endian words of an area at `off` (aligned, inside the area).
+fn read_words<const N: usize>(buf: &Buffer, off: usize) -> Option<[u64; N]> {
+    // An array, not a vector: the verbs provider's helper thread reads the request and
+    // reply slots on every look, and a look allocates nothing.
+    let mut w = [0u64; N];
+    for (i, v) in w.iter_mut().enumerate() {
+        *v = u64::from_le(buf.atomic_u64(off + 8 * i)?.load(Ordering::Acquire));
+    }
+    Some(w)
 }
 
 /// An atomic operation as the request carries it.
@@ -269,7 +270,7 @@ impl AmoReq {
 
     /// The request in an area's slot, if a whole valid one is there.
     pub fn read(area: &Buffer) -> Option<AmoReq> {
-        AmoReq::decode(&read_words(area, REQ_OFF, 7)?)
+        AmoReq::decode(&read_words::<7>(area, REQ_OFF)?)
     }
 }
 
@@ -324,7 +325,7 @@ impl AmoReply {
 
     /// The reply in an area's slot, if a whole valid one is there.
     pub fn read(area: &Buffer) -> Option<AmoReply> {
-        AmoReply::decode(&read_words(area, REPLY_OFF, 4)?)
+        AmoReply::decode(&read_words::<4>(area, REPLY_OFF)?)
     }
 }
 
@@ -354,7 +355,7 @@ impl ImmRec {
     /// slot holds one for that send with a valid kind and a length at most `max_len`.
     pub fn read(area: &Buffer, slots: u32, ordinal: u64, max_len: u64) -> Option<ImmRec> {
         let off = IMM_OFF + IMM_SLOT * (ordinal % u64::from(slots.max(1))) as usize;
-        let w = read_words(area, off, 3)?;
+        let w = read_words::<3>(area, off)?;
         if w[0] != ordinal.wrapping_add(1) {
             return None;
         }

@@ -440,8 +440,13 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
     let mut emu_delay = crate::emu::POLL_MIN;
     let mut next_serve = Instant::now();
     let mut last_busy = Instant::now();
+    // The lists' endpoints are moved into these between looks and back (`append` keeps
+    // both vectors' capacity): a look allocates nothing once they have grown.
+    let mut batch: Vec<Weak<EpCore>> = Vec::new();
+    let mut watch: Vec<Weak<EpCore>> = Vec::new();
+    let mut serve: Vec<Weak<EpCore>> = Vec::new();
     loop {
-        let (batch, watch, serve) = {
+        {
             let mut l = s.lists.lock().expect("rnr poisoned");
             loop {
                 if s.stop.load(Ordering::Acquire) {
@@ -480,32 +485,24 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
             if !l.blocked.is_empty() {
                 l = s.cv.wait_timeout(l, delay).expect("rnr poisoned").0;
             }
-            let watch = match tick {
-                Some(t) if Instant::now() >= next_watch => {
-                    next_watch = Instant::now() + t;
-                    std::mem::take(&mut l.watched)
-                }
-                _ => Vec::new(),
-            };
-            let serve = if Instant::now() >= next_serve {
-                std::mem::take(&mut l.served)
-            } else {
-                Vec::new()
-            };
-            (std::mem::take(&mut l.blocked), watch, serve)
-        };
+            if let Some(t) = tick.filter(|_| Instant::now() >= next_watch) {
+                next_watch = Instant::now() + t;
+                watch.append(&mut l.watched);
+            }
+            if Instant::now() >= next_serve {
+                serve.append(&mut l.served);
+            }
+            batch.append(&mut l.blocked);
+        }
         if !serve.is_empty() {
             let mut busy = false;
-            let keep: Vec<Weak<EpCore>> = serve
-                .into_iter()
-                .filter(|w| {
-                    w.upgrade().is_some_and(|ep| {
-                        let (b, keep) = ep.poll_emu();
-                        busy |= b;
-                        keep
-                    })
+            serve.retain(|w| {
+                w.upgrade().is_some_and(|ep| {
+                    let (b, keep) = ep.poll_emu();
+                    busy |= b;
+                    keep
                 })
-                .collect();
+            });
             if busy {
                 last_busy = Instant::now();
             }
@@ -516,7 +513,11 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
                 (emu_delay * 2).clamp(crate::emu::POLL_MIN, crate::emu::POLL_MAX)
             };
             next_serve = Instant::now() + emu_delay;
-            s.lists.lock().expect("rnr poisoned").served.extend(keep);
+            s.lists
+                .lock()
+                .expect("rnr poisoned")
+                .served
+                .append(&mut serve);
             if emu_delay.is_zero() {
                 std::thread::yield_now();
             }
@@ -524,27 +525,25 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
         // No list lock is held while endpoints run (they take queue and endpoint locks).
         if !batch.is_empty() {
             let before = batch.len();
-            let mut still = Vec::new();
-            for w in batch {
-                if let Some(ep) = w.upgrade() {
-                    if ep.retry_blocked() {
-                        still.push(w);
-                    }
-                }
-            }
-            delay = if still.len() < before {
+            batch.retain(|w| w.upgrade().is_some_and(|ep| ep.retry_blocked()));
+            delay = if batch.len() < before {
                 MIN
             } else {
                 (delay * 2).min(MAX)
             };
-            s.lists.lock().expect("rnr poisoned").blocked.extend(still);
+            s.lists
+                .lock()
+                .expect("rnr poisoned")
+                .blocked
+                .append(&mut batch);
         }
         if !watch.is_empty() {
-            let keep: Vec<Weak<EpCore>> = watch
-                .into_iter()
-                .filter(|w| w.upgrade().is_some_and(|ep| ep.check_liveness()))
-                .collect();
-            s.lists.lock().expect("rnr poisoned").watched.extend(keep);
+            watch.retain(|w| w.upgrade().is_some_and(|ep| ep.check_liveness()));
+            s.lists
+                .lock()
+                .expect("rnr poisoned")
+                .watched
+                .append(&mut watch);
         }
     }
 }

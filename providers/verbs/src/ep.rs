@@ -27,10 +27,11 @@ use fabric_api::{
 use crate::cq::{CompletionTarget, CqInner, CqState};
 use crate::domain::DomainInner;
 use crate::emu::{self, AmoOp, AmoReply, AmoReq, ExtDesc, ImmRec};
-use crate::ffi::{self, CmId, HwCq, HwOp, HwWr, Mr, Sge, Wc};
+use crate::ffi::{self, CmId, HwCq, HwOp, HwWr, Inline, Mr, Sge, Sges, Wc};
 use crate::status::{self, wc};
 use crate::sync::{Rank, Ranked, RankedGuard};
 use crate::{Flavor, Transport};
+use smallvec::{smallvec, SmallVec};
 
 /// Receive requests carry this bit in their `wr_id`.
 const RECV_BIT: u64 = 1 << 63;
@@ -361,7 +362,7 @@ struct SqRec {
     /// Filled in when posted (emulated immediate data and atomics).
     emu: Option<EmuRec>,
     /// Regions in use: memory stays alive until the record completes.
-    _holds: Vec<RegionRef>,
+    _holds: Holds,
 }
 
 impl SqRec {
@@ -380,7 +381,7 @@ impl SqRec {
 struct RqRec {
     seq: u64,
     context: u64,
-    _holds: Vec<RegionRef>,
+    _holds: Holds,
 }
 
 /// Mutable state of an endpoint.
@@ -518,10 +519,18 @@ fn post_error(e: &std::io::Error) -> Error {
 
 /// A planned application request: its hardware requests and what to report.
 struct Plan {
-    wrs: Vec<(HwWr, bool, Option<EmuRec>)>,
+    wrs: SmallVec<[(HwWr, bool, Option<EmuRec>); 3]>,
     user: UserRec,
-    holds: Vec<RegionRef>,
+    holds: Holds,
 }
+
+/// The regions a request uses (kept alive until it completes): one or two without a heap
+/// allocation.
+type Holds = SmallVec<[RegionRef; 2]>;
+
+/// Hardware requests planned for one application request, before the ledger marks its
+/// sends: a send or write with its emulation record or delivery read fits in place.
+type Planned = SmallVec<[(HwWr, Option<EmuRec>); 3]>;
 
 /// Page size of the registered-memory layout that [`Profile::small_page_crossing`] is about.
 const PAGE: u64 = 4096;
@@ -534,13 +543,13 @@ const SMALL_PAYLOAD: u32 = 32;
 /// ([`Profile::small_page_crossing`]): such a read is split at the remote page
 /// boundary, such a write at the local one, and such a send goes inline (a copy).
 fn avoid_small_page_crossing(
-    wrs: Vec<(HwWr, Option<EmuRec>)>,
-    copy: impl Fn(&Sge) -> Result<Vec<u8>>,
-) -> Result<Vec<(HwWr, Option<EmuRec>)>> {
+    wrs: Planned,
+    copy: impl Fn(&Sge) -> Result<Inline>,
+) -> Result<Planned> {
     let crosses = |addr: u64, len: u32| {
         len > 0 && len <= SMALL_PAYLOAD && (addr % PAGE) + u64::from(len) > PAGE
     };
-    let mut out = Vec::with_capacity(wrs.len());
+    let mut out = Planned::new();
     for (w, e) in wrs {
         let single = w.inline.is_none() && w.sges.len() == 1 && e.is_none();
         match w.op {
@@ -548,13 +557,13 @@ fn avoid_small_page_crossing(
                 let first = (PAGE - addr % PAGE) as u32;
                 let s = w.sges[0];
                 let mut a = w.clone();
-                a.sges = vec![Sge { len: first, ..s }];
+                a.sges = smallvec![Sge { len: first, ..s }];
                 let mut b = w;
                 b.op = HwOp::Read {
                     addr: addr + u64::from(first),
                     rkey,
                 };
-                b.sges = vec![Sge {
+                b.sges = smallvec![Sge {
                     addr: s.addr + u64::from(first),
                     len: s.len - first,
                     lkey: s.lkey,
@@ -570,7 +579,7 @@ fn avoid_small_page_crossing(
                 let s = w.sges[0];
                 let first = (PAGE - s.addr % PAGE) as u32;
                 let mut a = w.clone();
-                a.sges = vec![Sge { len: first, ..s }];
+                a.sges = smallvec![Sge { len: first, ..s }];
                 let mut b = w;
                 b.fence = false;
                 b.op = HwOp::Write {
@@ -578,7 +587,7 @@ fn avoid_small_page_crossing(
                     rkey,
                     imm: None,
                 };
-                b.sges = vec![Sge {
+                b.sges = smallvec![Sge {
                     addr: s.addr + u64::from(first),
                     len: s.len - first,
                     lkey: s.lkey,
@@ -607,8 +616,8 @@ fn emu_write(fence: bool) -> HwWr {
             rkey: 0,
             imm: None,
         },
-        sges: Vec::new(),
-        inline: Some(Vec::new()),
+        sges: Sges::new(),
+        inline: Some(Inline::new()),
         fence,
     }
 }
@@ -746,7 +755,7 @@ impl EpCore {
 
     // ----- planning ---------------------------------------------------------------------
 
-    fn sges(&self, sgl: &[Slice<'_>], need: Access) -> Result<(Vec<Sge>, Vec<RegionRef>, u64)> {
+    fn sges(&self, sgl: &[Slice<'_>], need: Access) -> Result<(Sges, Holds, u64)> {
         let max = self.dom.limits.max_sge as usize;
         if sgl.len() > max {
             return Err(Error::invalid(format!(
@@ -754,8 +763,8 @@ impl EpCore {
                 sgl.len()
             )));
         }
-        let mut sges = Vec::with_capacity(sgl.len());
-        let mut holds = Vec::with_capacity(sgl.len());
+        let mut sges = Sges::new();
+        let mut holds = Holds::new();
         let mut total = 0u64;
         for s in sgl {
             let r = s.check_local(self.dom.id, need)?;
@@ -802,14 +811,14 @@ impl EpCore {
         }
     }
 
-    fn inline_copy(&self, sges: &[Sge], holds: &[RegionRef], total: u64) -> Result<Vec<u8>> {
+    fn inline_copy(&self, sges: &[Sge], holds: &[RegionRef], total: u64) -> Result<Inline> {
         let max = self.dom.limits.max_inline;
         if total > u64::from(max) {
             return Err(Error::invalid(format!(
                 "inline payload of {total} bytes exceeds max inline {max}"
             )));
         }
-        let mut v = Vec::with_capacity(total as usize);
+        let mut v = Inline::with_capacity(total as usize);
         for s in sges {
             // The region this entry lies in.
             let r = holds.iter().find(|h| {
@@ -840,7 +849,7 @@ impl EpCore {
             return Some(HwWr {
                 wr_id: 0,
                 op: HwOp::Read { addr: 0, rkey: 0 },
-                sges: vec![Sge {
+                sges: smallvec![Sge {
                     addr: buf.addr() + credit::SCRATCH as u64,
                     len: 0,
                     lkey: mr.lkey(),
@@ -855,7 +864,7 @@ impl EpCore {
                 addr: c.peer.0 + credit::POSTED as u64,
                 rkey: c.peer.1,
             },
-            sges: vec![Sge {
+            sges: smallvec![Sge {
                 addr: c.buf.addr() + credit::SCRATCH as u64,
                 len: 8,
                 lkey: c.mr.lkey(),
@@ -869,15 +878,14 @@ impl EpCore {
         let p = &self.dom.profile;
         let inline = wr.flags.contains(SendFlags::INLINE);
         let fence = wr.flags.contains(SendFlags::FENCE);
-        let hw = |op: HwOp, sges: Vec<Sge>, inline: Option<Vec<u8>>| HwWr {
+        let hw = |op: HwOp, sges: Sges, inline: Option<Inline>| HwWr {
             wr_id: 0,
             op,
             sges,
             inline,
             fence,
         };
-        type Planned = Vec<(HwWr, Option<EmuRec>)>;
-        let (wrs, holds, byte_len): (Planned, Vec<RegionRef>, u64) = match wr.op {
+        let (wrs, holds, byte_len): (Planned, Holds, u64) = match wr.op {
             SendOp::Send { sgl, imm } => {
                 let emulated = match imm {
                     Some(v) if !p.immediate => {
@@ -892,7 +900,7 @@ impl EpCore {
                 } else {
                     None
                 };
-                let mut v = Vec::with_capacity(2);
+                let mut v = Planned::new();
                 if let Some(imm) = emulated {
                     // The immediate goes into the peer's ring slot of this send first.
                     let rec = ImmRec {
@@ -920,7 +928,7 @@ impl EpCore {
                 } else {
                     None
                 };
-                let mut v = vec![(
+                let mut v: Planned = smallvec![(
                     hw(
                         HwOp::Write {
                             addr: remote.addr,
@@ -942,7 +950,7 @@ impl EpCore {
                         len: total,
                     };
                     v.push((emu_write(false), Some(EmuRec::Imm(rec))));
-                    v.push((hw(HwOp::Send { imm: None }, Vec::new(), None), None));
+                    v.push((hw(HwOp::Send { imm: None }, Sges::new(), None), None));
                 }
                 (v, holds, total)
             }
@@ -960,7 +968,7 @@ impl EpCore {
                         let mut r = r;
                         r.fence = fence;
                         return Ok(Plan {
-                            wrs: vec![(r, false, None)],
+                            wrs: smallvec![(r, false, None)],
                             user: UserRec {
                                 context: wr.context,
                                 opcode: Opcode::Read,
@@ -981,7 +989,7 @@ impl EpCore {
                                     addr: remote.addr.wrapping_add(off),
                                     rkey: remote.key,
                                 },
-                                vec![s],
+                                smallvec![s],
                                 None,
                             );
                             off += u64::from(s.len);
@@ -989,7 +997,7 @@ impl EpCore {
                         })
                         .collect()
                 } else {
-                    vec![(
+                    smallvec![(
                         hw(
                             HwOp::Read {
                                 addr: remote.addr,
@@ -1048,7 +1056,7 @@ impl EpCore {
                     };
                     let w = (emu_write(fence), Some(EmuRec::Amo(Box::new(amo))));
                     return Ok(Plan {
-                        wrs: vec![(w.0, false, w.1)],
+                        wrs: smallvec![(w.0, false, w.1)],
                         user: UserRec {
                             context: wr.context,
                             opcode: wr.opcode(),
@@ -1071,7 +1079,7 @@ impl EpCore {
                         swap,
                     },
                 };
-                (vec![(hw(op, sges, None), None)], holds, 8)
+                (smallvec![(hw(op, sges, None), None)], holds, 8)
             }
         };
         let wrs = if p.small_page_crossing {
@@ -1081,7 +1089,7 @@ impl EpCore {
         } else {
             wrs
         };
-        let mut wrs: Vec<(HwWr, bool, Option<EmuRec>)> = wrs
+        let mut wrs: SmallVec<[(HwWr, bool, Option<EmuRec>); 3]> = wrs
             .into_iter()
             .map(|(w, e)| {
                 let is_send = matches!(w.op, HwOp::Send { .. });
@@ -1156,7 +1164,7 @@ impl EpCore {
                 _holds: if last {
                     holds.take().unwrap_or_default()
                 } else {
-                    Vec::new()
+                    Holds::new()
                 },
             });
         }
@@ -1224,22 +1232,25 @@ impl EpCore {
         if l.hw_sq + group.len() > self.hw_sq_cap {
             return Posted::Later;
         }
-        let mut wrs: Vec<HwWr> = Vec::with_capacity(group.len());
+        // The requests move out of their records (no copy): a record whose request left
+        // is posted or failed; a refusal of the whole group puts them back below.
+        let mut wrs: SmallVec<[HwWr; 4]> = SmallVec::with_capacity(group.len());
         let mut sends_before = 0u64;
         let mut amo_seq = None;
-        for r in l.sq.range(group.clone()) {
-            let mut w = r.wr.clone().expect("unposted record has its request");
+        let (sends_hw, amo_sent) = (l.sends_hw, l.amo_sent);
+        for r in l.sq.range_mut(group.clone()) {
+            let mut w = r.wr.take().expect("unposted record has its request");
             w.wr_id = r.seq;
             if let (Some(rec), Some(e)) = (&r.emu, &self.emu) {
                 let (off, payload) = match rec {
                     EmuRec::Imm(imm) => {
                         // Sends reach the device in ledger order: this one's ordinal.
-                        let ordinal = l.sends_hw + sends_before;
+                        let ordinal = sends_hw + sends_before;
                         let slot = (ordinal % u64::from(e.peer.imm_slots)) as usize;
                         (emu::IMM_OFF + emu::IMM_SLOT * slot, imm.encode(ordinal))
                     }
                     EmuRec::Amo(a) => {
-                        let seq = l.amo_sent + 1;
+                        let seq = amo_sent + 1;
                         amo_seq = Some(seq);
                         let req = AmoReq {
                             seq,
@@ -1255,7 +1266,7 @@ impl EpCore {
                     rkey: e.peer.stag,
                     imm: None,
                 };
-                w.inline = Some(payload);
+                w.inline = Some(Inline::from_slice(&payload));
             }
             if r.is_send {
                 sends_before += 1;
@@ -1272,8 +1283,11 @@ impl EpCore {
             Ok(()) => wrs.len(),
             Err((k, _)) => *k,
         };
-        for i in 0..posted {
-            l.sq[start + i].wr = None;
+        if posted == 0 && r.is_err() {
+            // Nothing reached the device: the group stays unposted, as it was.
+            for (i, w) in wrs.into_iter().enumerate() {
+                l.sq[start + i].wr = Some(w);
+            }
         }
         l.hw_sq += posted;
         l.pending -= posted;
@@ -1728,14 +1742,14 @@ impl EpCore {
                 rkey: e.peer.stag,
                 imm: None,
             },
-            sges: Vec::new(),
-            inline: Some(
-                AmoReply {
+            sges: Sges::new(),
+            inline: Some(Inline::from_slice(
+                &AmoReply {
                     seq: req.seq,
                     result,
                 }
                 .encode(),
-            ),
+            )),
             fence: false,
         };
         // SAFETY: an inline request: the payload is copied at post time, no memory is
@@ -1975,7 +1989,7 @@ impl EpCore {
                 failed: None,
                 group_err: None,
                 emu: None,
-                _holds: Vec::new(),
+                _holds: Holds::new(),
             },
         );
         l.hw_sq += 1;
@@ -1997,8 +2011,8 @@ impl EpCore {
                 rkey: c.peer.1,
                 imm: None,
             },
-            sges: Vec::new(),
-            inline: Some(value.to_ne_bytes().to_vec()),
+            sges: Sges::new(),
+            inline: Some(Inline::from_slice(&value.to_ne_bytes())),
             fence: false,
         };
         // SAFETY: an inline request: the payload is copied at post time, no memory is
@@ -2731,17 +2745,17 @@ impl<F: Flavor> Drop for VerbsEndpoint<F> {
 mod tests {
     use super::*;
 
-    fn wr(op: HwOp, sges: Vec<Sge>) -> (HwWr, Option<EmuRec>) {
-        (
+    fn wr(op: HwOp, sges: Vec<Sge>) -> Planned {
+        smallvec![(
             HwWr {
                 wr_id: 0,
                 op,
-                sges,
+                sges: Sges::from_vec(sges),
                 inline: None,
                 fence: true,
             },
             None,
-        )
+        )]
     }
 
     #[test]
@@ -2753,31 +2767,27 @@ mod tests {
             rkey: 5,
             imm: None,
         };
-        let copy = |s: &Sge| Ok(vec![0xab; s.len as usize]);
+        let copy = |s: &Sge| Ok(Inline::from_elem(0xab, s.len as usize));
         // A 24-byte read of the peer's [4088, 4112): two reads at the remote boundary,
         // the sink split to match.
         let out =
-            avoid_small_page_crossing(vec![wr(read(0x7000 + 4088), vec![sge(0x100, 24)])], copy)
-                .unwrap();
+            avoid_small_page_crossing(wr(read(0x7000 + 4088), vec![sge(0x100, 24)]), copy).unwrap();
         assert_eq!(out.len(), 2);
         assert_eq!(out[0].0.op, read(0x7000 + 4088));
-        assert_eq!(out[0].0.sges, vec![sge(0x100, 8)]);
+        assert_eq!(out[0].0.sges[..], [sge(0x100, 8)]);
         assert_eq!(out[1].0.op, read(0x8000));
-        assert_eq!(out[1].0.sges, vec![sge(0x108, 16)]);
+        assert_eq!(out[1].0.sges[..], [sge(0x108, 16)]);
         // A 20-byte write from local [0x1ff8, 0x200c): split at the local boundary, the
         // second piece unfenced.
-        let out =
-            avoid_small_page_crossing(vec![wr(write(0x50), vec![sge(0x1ff8, 20)])], copy).unwrap();
+        let out = avoid_small_page_crossing(wr(write(0x50), vec![sge(0x1ff8, 20)]), copy).unwrap();
         assert_eq!(out.len(), 2);
-        assert_eq!(out[0].0.sges, vec![sge(0x1ff8, 8)]);
+        assert_eq!(out[0].0.sges[..], [sge(0x1ff8, 8)]);
         assert_eq!((out[1].0.op, out[1].0.fence), (write(0x58), false));
-        assert_eq!(out[1].0.sges, vec![sge(0x2000, 12)]);
+        assert_eq!(out[1].0.sges[..], [sge(0x2000, 12)]);
         // A crossing send goes inline.
-        let out = avoid_small_page_crossing(
-            vec![wr(HwOp::Send { imm: None }, vec![sge(0x2ff0, 32)])],
-            copy,
-        )
-        .unwrap();
+        let out =
+            avoid_small_page_crossing(wr(HwOp::Send { imm: None }, vec![sge(0x2ff0, 32)]), copy)
+                .unwrap();
         assert_eq!(out[0].0.inline.as_deref(), Some(&[0xab; 32][..]));
         // Untouched: larger than 32 bytes, not crossing, several entries, ending exactly at
         // the boundary.
@@ -2787,9 +2797,9 @@ mod tests {
             (read(4090), vec![sge(0, 3), sge(8, 3)]),
             (write(0), vec![sge(4064, 32)]),
         ] {
-            let out = avoid_small_page_crossing(vec![wr(op, sges.clone())], copy).unwrap();
+            let out = avoid_small_page_crossing(wr(op, sges.clone()), copy).unwrap();
             assert_eq!(out.len(), 1);
-            assert_eq!((out[0].0.op, &out[0].0.sges), (op, &sges));
+            assert_eq!((out[0].0.op, &out[0].0.sges[..]), (op, &sges[..]));
             assert!(out[0].0.inline.is_none());
         }
     }

@@ -10,6 +10,7 @@
 //!   queue pair was destroyed: the callers keep the `Arc<Buffer>` (through `RegionRef`) in
 //!   their ledger for exactly that long (see `ep.rs`).
 
+use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::ffi::CStr;
 use std::io;
@@ -968,16 +969,31 @@ pub(crate) enum HwOp {
     },
 }
 
+/// The gather list of a request: up to two entries without a heap allocation (one is the
+/// common case; a request split at a page boundary has two).
+pub(crate) type Sges = SmallVec<[Sge; 2]>;
+
+/// An inline payload: up to [`INLINE_STACK`] bytes without a heap allocation (credit
+/// updates, emulation records and small application messages).
+pub(crate) type Inline = SmallVec<[u8; INLINE_STACK]>;
+
+/// Inline payload bytes an [`Inline`] holds in place (the emulation's records are 56).
+pub(crate) const INLINE_STACK: usize = 64;
+
 /// A hardware send-queue request (always signaled: see `cq.rs`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct HwWr {
     pub wr_id: u64,
     pub op: HwOp,
-    pub sges: Vec<Sge>,
+    pub sges: Sges,
     /// Inline payload copied at post time (the `sges` are ignored then).
-    pub inline: Option<Vec<u8>>,
+    pub inline: Option<Inline>,
     pub fence: bool,
 }
+
+/// Requests of one `ibv_post_send` chain built on the stack; a longer chain (split reads
+/// of a long scatter list) goes to the heap.
+const CHAIN_STACK: usize = 4;
 
 /// An rdma_cm identifier, with its queue pair once created.
 #[derive(Debug)]
@@ -991,6 +1007,40 @@ pub(crate) struct CmId {
 unsafe impl Send for CmId {}
 // SAFETY: as above.
 unsafe impl Sync for CmId {}
+
+/// The gather entries of a whole chain of requests (see [`gather_lists`]).
+type ChainSges = SmallVec<[sys::ibv_sge; CHAIN_STACK * 2]>;
+
+/// Where each request's entries lie in a [`ChainSges`]: (first, count).
+type ChainSpans = SmallVec<[(usize, usize); CHAIN_STACK]>;
+
+/// The gather lists of a chain of requests, all in one array (on the stack for a short
+/// chain), and where each request's list lies in it: request `i` uses
+/// `sges[spans[i].0..spans[i].0 + spans[i].1]`. An inline payload is one entry naming the
+/// payload itself (no key: the device copies it at post time). No heap allocation for a
+/// chain of up to [`CHAIN_STACK`] requests with two entries each.
+fn gather_lists(wrs: &[HwWr]) -> (ChainSges, ChainSpans) {
+    let mut sges = SmallVec::new();
+    let mut spans = SmallVec::with_capacity(wrs.len());
+    for w in wrs {
+        let at = sges.len();
+        match &w.inline {
+            Some(data) if !data.is_empty() => sges.push(sys::ibv_sge {
+                addr: data.as_ptr() as u64,
+                length: data.len() as u32,
+                lkey: 0,
+            }),
+            Some(_) => {}
+            None => sges.extend(w.sges.iter().map(|s| sys::ibv_sge {
+                addr: s.addr,
+                length: s.len,
+                lkey: s.lkey,
+            })),
+        }
+        spans.push((at, sges.len() - at));
+    }
+    (sges, spans)
+}
 
 impl CmId {
     pub fn new(ch: &EventChannel) -> io::Result<CmId> {
@@ -1211,39 +1261,24 @@ impl CmId {
         if wrs.is_empty() {
             return Ok(());
         }
-        let mut sges: Vec<Vec<sys::ibv_sge>> = wrs
-            .iter()
-            .map(|w| match &w.inline {
-                Some(data) if !data.is_empty() => vec![sys::ibv_sge {
-                    addr: data.as_ptr() as u64,
-                    length: data.len() as u32,
-                    lkey: 0,
-                }],
-                Some(_) => Vec::new(),
-                None => w
-                    .sges
-                    .iter()
-                    .map(|s| sys::ibv_sge {
-                        addr: s.addr,
-                        length: s.len,
-                        lkey: s.lkey,
-                    })
-                    .collect(),
-            })
-            .collect();
+        let (mut sges, spans) = gather_lists(wrs);
         // SAFETY: all-zero is a valid (empty) send request; each is filled in below.
-        let mut raw: Vec<sys::ibv_send_wr> = (0..wrs.len())
+        let mut raw: SmallVec<[sys::ibv_send_wr; CHAIN_STACK]> = (0..wrs.len())
             .map(|_| unsafe { std::mem::zeroed() })
             .collect();
+        let sge_base = sges.as_mut_ptr();
         for (i, w) in wrs.iter().enumerate() {
             let r = &mut raw[i];
             r.wr_id = w.wr_id;
-            r.sg_list = if sges[i].is_empty() {
+            let (at, n) = spans[i];
+            r.sg_list = if n == 0 {
                 ptr::null_mut()
             } else {
-                sges[i].as_mut_ptr()
+                // SAFETY: `at + n <= sges.len()` (`gather_lists` pushed the span); `sges`
+                // is not moved or grown before `ibv_post_send` returns.
+                unsafe { sge_base.add(at) }
             };
-            r.num_sge = sges[i].len() as i32;
+            r.num_sge = n as i32;
             let mut flags = 2u32; // IBV_SEND_SIGNALED
             if w.inline.is_some() {
                 flags |= 8; // IBV_SEND_INLINE
@@ -1335,7 +1370,7 @@ impl CmId {
     /// The `sges` must name memory registered (LOCAL_WRITE) under their keys that stays
     /// alive until the receive completes or the queue pair is destroyed.
     pub unsafe fn post_recv(&self, wr_id: u64, sges: &[Sge]) -> io::Result<()> {
-        let mut list: Vec<sys::ibv_sge> = sges
+        let mut list: SmallVec<[sys::ibv_sge; 4]> = sges
             .iter()
             .map(|s| sys::ibv_sge {
                 addr: s.addr,
@@ -1534,5 +1569,49 @@ mod tcp_tests {
         }
         let gone = SocketAddr::from(([127, 0, 0, 1], 1));
         assert_eq!(tcp_last_heard(local, gone), None);
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn wr(sges: &[Sge], inline: Option<&[u8]>) -> HwWr {
+        HwWr {
+            wr_id: 0,
+            op: HwOp::Send { imm: None },
+            sges: Sges::from_slice(sges),
+            inline: inline.map(Inline::from_slice),
+            fence: false,
+        }
+    }
+
+    #[test]
+    fn a_chain_s_gather_lists_share_one_array_and_stay_on_the_stack_when_short() {
+        let sge = |addr, len| Sge { addr, len, lkey: 7 };
+        let chain = [
+            wr(&[sge(0x1000, 8)], None),
+            wr(&[], Some(&[1, 2, 3])),
+            wr(&[], None),
+            wr(&[sge(0x2000, 4), sge(0x3000, 5)], None),
+        ];
+        let (sges, spans) = gather_lists(&chain);
+        assert_eq!(&spans[..], &[(0, 1), (1, 1), (2, 0), (2, 2)]);
+        let flat: Vec<_> = sges.iter().map(|s| (s.addr, s.length, s.lkey)).collect();
+        let inline = chain[1].inline.as_ref().expect("inline").as_ptr() as u64;
+        assert_eq!(
+            flat,
+            [
+                (0x1000, 8, 7),
+                (inline, 3, 0),
+                (0x2000, 4, 7),
+                (0x3000, 5, 7)
+            ]
+        );
+        assert!(!sges.spilled() && !spans.spilled());
+        // An empty inline payload names nothing.
+        let (sges, spans) = gather_lists(&[wr(&[], Some(&[]))]);
+        assert!(sges.is_empty());
+        assert_eq!(&spans[..], &[(0, 0)]);
     }
 }
