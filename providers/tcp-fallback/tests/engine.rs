@@ -41,7 +41,7 @@ fn connect(
 /// One connected pair in a domain of its own, with a registered 8-byte source holding
 /// `payload` and an 8-byte receive target.
 struct Pair {
-    _domain: TcpDomain,
+    domain: TcpDomain,
     cq_a: TcpCq,
     cq_b: TcpCq,
     a: TcpEndpoint,
@@ -52,11 +52,17 @@ struct Pair {
 
 impl Pair {
     fn open(mode: ProgressMode, payload: &[u8; 8]) -> Pair {
-        let domain = TcpDomain::open(TcpOptions {
-            progress: mode,
-            ..TcpOptions::default()
-        })
-        .unwrap();
+        Pair::with(
+            TcpOptions {
+                progress: mode,
+                ..TcpOptions::default()
+            },
+            payload,
+        )
+    }
+
+    fn with(options: TcpOptions, payload: &[u8; 8]) -> Pair {
+        let domain = TcpDomain::open(options).unwrap();
         let cq_a = domain.create_cq(64).unwrap();
         let cq_b = domain.create_cq(64).unwrap();
         let (a, b) = connect(&domain, &cq_a, &cq_b, 1).pop().unwrap();
@@ -67,7 +73,7 @@ impl Pair {
             .register(Arc::new(Buffer::new(8)), Access::LOCAL_WRITE)
             .unwrap();
         Pair {
-            _domain: domain,
+            domain,
             cq_a,
             cq_b,
             a,
@@ -405,21 +411,22 @@ fn poll_n(cq: &TcpCq, other: &TcpCq, n: usize, what: &str) -> Vec<fabric_api::Co
 #[test]
 fn polls_hold_a_deferred_ack_for_the_next_message_to_that_peer() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let domain = TcpDomain::open(TcpOptions {
-        progress: ProgressMode::Manual,
-        ack_hold: Some(Duration::from_secs(3600)),
-        ..TcpOptions::default()
-    })
-    .unwrap();
-    let cq_a = domain.create_cq(64).unwrap();
-    let cq_b = domain.create_cq(64).unwrap();
-    let (a, b) = connect(&domain, &cq_a, &cq_b, 1).pop().unwrap();
-    let src = domain
-        .register(Arc::new(Buffer::from_slice(b"held ack")), Access::empty())
-        .unwrap();
-    let dst = domain
-        .register(Arc::new(Buffer::new(8)), Access::LOCAL_WRITE)
-        .unwrap();
+    let Pair {
+        domain,
+        cq_a,
+        cq_b,
+        a,
+        b,
+        src,
+        dst,
+    } = Pair::with(
+        TcpOptions {
+            progress: ProgressMode::Manual,
+            ack_hold: Some(Duration::from_secs(3600)),
+            ..TcpOptions::default()
+        },
+        b"held ack",
+    );
     let back = domain
         .register(Arc::new(Buffer::new(8)), Access::LOCAL_WRITE)
         .unwrap();
