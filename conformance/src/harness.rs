@@ -875,6 +875,28 @@ fn hang_diagnosis(case: &str, tid: Option<u32>) -> String {
 }
 
 #[cfg(test)]
+mod slowdown_tests {
+    use super::*;
+
+    #[test]
+    fn slowdown_follows_the_timeout() {
+        assert_eq!(slowdown(Duration::from_secs(10)), 1);
+        assert_eq!(slowdown(Duration::from_secs(5)), 1);
+        assert_eq!(slowdown(Duration::from_secs(60)), 6);
+        assert_eq!(slowdown(Duration::from_secs(3600)), 360);
+        let ctx = Ctx {
+            timeout: Duration::from_secs(60),
+            ..Ctx::new("tcp", None)
+        };
+        assert_eq!(
+            ctx.slack(Duration::from_millis(50)),
+            Duration::from_millis(300)
+        );
+        assert_eq!(CASE_LIMIT * slowdown(ctx.timeout), Duration::from_secs(540));
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -519,10 +519,13 @@ fn post_error(e: &std::io::Error) -> Error {
 
 /// A planned application request: its hardware requests and what to report.
 struct Plan {
-    wrs: SmallVec<[(HwWr, bool, Option<EmuRec>); 3]>,
+    wrs: PlanWrs,
     user: UserRec,
     holds: Holds,
 }
+
+/// A plan's hardware requests, each with whether it is a send and its emulation record.
+type PlanWrs = SmallVec<[(HwWr, bool, Option<EmuRec>); 3]>;
 
 /// The regions a request uses (kept alive until it completes): one or two without a heap
 /// allocation.
@@ -1089,7 +1092,7 @@ impl EpCore {
         } else {
             wrs
         };
-        let mut wrs: SmallVec<[(HwWr, bool, Option<EmuRec>); 3]> = wrs
+        let mut wrs: PlanWrs = wrs
             .into_iter()
             .map(|(w, e)| {
                 let is_send = matches!(w.op, HwOp::Send { .. });
