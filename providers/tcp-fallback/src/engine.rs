@@ -63,9 +63,9 @@ use std::io;
 use std::net::TcpStream;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Weak};
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
@@ -95,11 +95,11 @@ pub(crate) const ACK_HOLD: Duration = HANDOFF;
 /// never kept waiting for them.
 pub(crate) const ACK_HOLD_MAX: u32 = 4;
 
-/// Nanoseconds since the first call in this process: a cheap, monotonic clock for
-/// [`PollSet::app_driven`] and the deadlines of held acks.
+/// The provider's clock, in nanoseconds ([`fabric_api::sync::monotonic_ns`]): cheap and
+/// monotonic, for [`PollSet::app_driven`] and the deadlines of held acks; 0 is never a
+/// reading, so callers use it for "never".
 pub(crate) fn now_ns() -> u64 {
-    static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
-    u64::try_from(EPOCH.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    fabric_api::sync::monotonic_ns()
 }
 
 /// Events taken from `epoll` per wait.
