@@ -113,6 +113,13 @@ pub struct CollArgs {
     /// the provider has RDMA Write) or `tagged` (the ring of tagged messages).
     #[arg(long, value_enum, default_value_t = Ring::Write)]
     ring: Ring,
+    /// Allreduce buffers: `registered` (one region per size, registered once with remote
+    /// write access and reduced in place by `Comm::allreduce_region_bytes`, as nccl-tests
+    /// runs in place on device buffers: no copy in or out on the write ring; the input is
+    /// written once before the warm-up and again before the checked call) or `slice`
+    /// (`Comm::allreduce_bytes` on a fresh copy of the input in every call).
+    #[arg(long, value_enum, default_value_t = BufferKind::Registered)]
+    buffer: BufferKind,
     /// Segment of the write ring, in bytes (K, M: powers of 1024).
     #[arg(long)]
     write_segment: Option<String>,
@@ -133,6 +140,24 @@ pub enum Ring {
     Write,
     /// Tagged messages (rendezvous above the eager threshold).
     Tagged,
+}
+
+/// Where `fabric allreduce` keeps its data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BufferKind {
+    /// A registered region, reduced in place.
+    Registered,
+    /// A plain vector (the communicator copies it through its own registered buffers).
+    Slice,
+}
+
+impl BufferKind {
+    fn name(self) -> &'static str {
+        match self {
+            BufferKind::Registered => "registered",
+            BufferKind::Slice => "slice",
+        }
+    }
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -331,7 +356,7 @@ fn rank_main(
     if let Some(s) = &a.small_max {
         cfg.small_max = parse_size(s)?;
     }
-    let mut comm = Comm::new(domain, ep, rank, &names, cfg).map_err(e)?;
+    let mut comm = Comm::new(domain.clone(), ep, rank, &names, cfg).map_err(e)?;
     if coll == Coll::Broadcast && a.root >= n {
         return Err(format!("--root {} of {n} ranks", a.root));
     }
@@ -348,13 +373,39 @@ fn rank_main(
             count
         };
         let input = encode(dtype, (0..per_rank).map(|i| value(rank, i)));
-        let once = |comm: &mut Comm| -> Result<Vec<u8>, String> {
+        // Registered once per size, outside the timing.
+        let region = if coll == Coll::Allreduce && a.buffer == BufferKind::Registered {
+            let r = domain
+                .alloc(bytes, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+                .map_err(e)?;
+            r.buffer().write(0, &input);
+            Some(r)
+        } else {
+            None
+        };
+        // One call; `check`: from the input, returning the result (the registered region is
+        // reduced in place, so timed calls run on what the previous call left).
+        let once = |comm: &mut Comm, check: bool| -> Result<Vec<u8>, String> {
             match coll {
-                Coll::Allreduce => {
-                    let mut w = input.clone();
-                    comm.allreduce_bytes(&mut w, dtype, op).map_err(e)?;
-                    Ok(w)
-                }
+                Coll::Allreduce => match &region {
+                    Some(r) => {
+                        if check {
+                            r.buffer().write(0, &input);
+                        }
+                        let s = r.slice(..bytes).map_err(e)?;
+                        comm.allreduce_region_bytes(s, dtype, op).map_err(e)?;
+                        Ok(if check {
+                            r.buffer().to_vec(0, bytes)
+                        } else {
+                            Vec::new()
+                        })
+                    }
+                    None => {
+                        let mut w = input.clone();
+                        comm.allreduce_bytes(&mut w, dtype, op).map_err(e)?;
+                        Ok(w)
+                    }
+                },
                 Coll::Allgather => comm.allgather_bytes(&input).map_err(e),
                 Coll::Broadcast => {
                     let mut w = if rank == a.root {
@@ -368,15 +419,15 @@ fn rank_main(
             }
         };
         for _ in 0..a.warmup {
-            once(&mut comm)?;
+            once(&mut comm, false)?;
         }
         comm.barrier().map_err(e)?;
         let start = Instant::now();
         for _ in 0..a.iters {
-            once(&mut comm)?;
+            once(&mut comm, false)?;
         }
         let mine = start.elapsed().as_secs_f64() / a.iters as f64;
-        let got = once(&mut comm)?;
+        let got = once(&mut comm, true)?;
         let want = match coll {
             Coll::Allreduce => encode(dtype, (0..count).map(|i| reduce_expected(op, n, i))),
             Coll::Allgather => encode(
@@ -402,6 +453,11 @@ fn rank_main(
     }
     comm.barrier().map_err(e)?;
     let any_wrong = rows.iter().any(|r| r.wrong > 0);
+    let buffer = if coll == Coll::Allreduce {
+        a.buffer.name()
+    } else {
+        "slice"
+    };
     if rank == 0 {
         let opname = if coll == Coll::Allreduce {
             op.name()
@@ -422,7 +478,9 @@ fn rank_main(
                     .collect();
                 println!(
                     "{}",
-                    serde_json::json!({"np": n, "provider": provider, "rows": rows})
+                    serde_json::json!({
+                        "np": n, "provider": provider, "buffer": buffer, "rows": rows
+                    })
                 );
             }
             OutFormat::Text => {
@@ -431,10 +489,10 @@ fn rank_main(
                     coll.name(),
                     a.iters,
                     a.warmup,
-                    if coll == Coll::Broadcast {
-                        format!(", root {}", a.root)
-                    } else {
-                        String::new()
+                    match coll {
+                        Coll::Broadcast => format!(", root {}", a.root),
+                        Coll::Allreduce => format!(", buffer {buffer}"),
+                        Coll::Allgather => String::new(),
                     }
                 );
                 println!("# GB = 10^9 bytes; time is the slowest rank's mean per iteration");

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabric::prelude::*;
-use fabric::{Error, Result};
+use fabric::{Error, Result, Slice};
 use fabric_rdm::{Peer, RdmCompletion, RdmEndpoint, RecvBuf, Source};
 
 use crate::reduce::{from_bytes, reduce, to_bytes, DataType, Element, ReduceOp};
@@ -24,6 +24,9 @@ const MAX_WRITE_RING: usize = 512;
 /// element size), so that the partial result stays in cache between the reduction and its
 /// copy into the registered buffer.
 const REDUCE_CHUNK: usize = 32 << 10;
+/// Bytes per slot of the write ring's notification region: an in-place ring's notes carry
+/// a region descriptor (see [`Comm::allreduce_region_bytes`]).
+const NOTE_SLOT: usize = 32;
 
 /// A step in flight (see [`Comm::start`]).
 #[derive(Debug)]
@@ -127,19 +130,52 @@ pub struct Comm {
     seg_buf: Vec<u8>,
     /// The gathered blocks and the packed send of [`Comm::gather_doubling`] (kept).
     gather_buf: (Vec<u8>, Vec<u8>),
+    /// The descriptor of the caller's region that this rank last sent round the in-place
+    /// write ring (the previous rank holds it); `None`: send it with the next call.
+    region_told: Option<RemoteDesc>,
+    /// The next rank's region as it last told us.
+    next_region: Option<RemoteDesc>,
+    /// Where a registered-buffer allreduce that takes a copying path works (kept).
+    region_tmp: Vec<u8>,
+}
+
+/// Where the write ring's data lives.
+enum RingData<'a> {
+    /// The caller's slice: the ring sends from and gathers into its own `work` buffer and
+    /// copies between it and the slice.
+    Copied(&'a mut [u8]),
+    /// The caller's registered memory: sent from, reduced and gathered in place.
+    InPlace(Slice<'a>),
+}
+
+/// The algorithm an allreduce takes (the same on every rank: it depends on the length, the
+/// group and the configuration only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Algo {
+    /// One rank: nothing to do.
+    Alone,
+    /// [`Comm::gather_doubling`].
+    Gather,
+    /// [`Comm::recursive_doubling`].
+    Doubling,
+    /// [`Comm::write_ring`].
+    WriteRing,
+    /// The ring of tagged messages.
+    TaggedRing,
 }
 
 /// The write ring's registered buffers on this rank and where they are on the next one.
 #[derive(Debug)]
 struct WriteRing {
     /// The data being reduced (the result in the end); the previous rank writes the
-    /// allgather's blocks straight into it.
-    work: Arc<MemoryRegion>,
+    /// allgather's blocks straight into it. Made by the first allreduce of a slice (an
+    /// in-place ring works in the caller's region instead).
+    work: Option<Arc<MemoryRegion>>,
     /// Where the previous rank writes its reduce-scatter blocks.
     land: Arc<MemoryRegion>,
-    /// A zero-length region for the notifications.
+    /// The notifications' receive and send slots ([`NOTE_SLOT`] bytes per rank).
     note: Arc<MemoryRegion>,
-    next_work: RemoteDesc,
+    next_work: Option<RemoteDesc>,
     next_land: RemoteDesc,
 }
 
@@ -182,6 +218,9 @@ impl Comm {
             eager_max,
             seg_buf: Vec::new(),
             gather_buf: (Vec::new(), Vec::new()),
+            region_told: None,
+            next_region: None,
+            region_tmp: Vec::new(),
         })
     }
 
@@ -548,42 +587,213 @@ impl Comm {
     ) -> Result<()> {
         check_len(data, dtype)?;
         self.seq += 1;
-        let n = self.size();
-        if n == 1 {
-            return Ok(());
-        }
-        let count = data.len() / dtype.size();
-        if data.len() <= self.cfg.gather_max && n.is_power_of_two() && n <= 64 {
-            return self.gather_doubling(data, dtype, op);
-        }
-        if data.len() <= self.cfg.small_max || count < n {
-            return self.recursive_doubling(data, dtype, op);
-        }
-        let bounds = self.bounds(count, dtype.size());
-        let write = self.domain.info().caps.ops.contains(OpSet::WRITE);
-        if self.cfg.write_ring && write && n <= MAX_WRITE_RING {
-            return self.write_ring(data, &bounds, dtype, op);
-        }
-        self.ring_reduce_scatter(data, &bounds, dtype, op)?;
-        self.ring_allgather(data, &bounds, 0)
+        let algo = self.algo(data.len(), dtype);
+        self.allreduce_copied(algo, data, dtype, op)
     }
 
-    /// Makes (or grows) the write ring's buffers to hold `len` bytes and swaps their
-    /// descriptors with the neighbours: ours go to the previous rank, the next rank's come
-    /// here. Every rank calls it with the same `len` (a collective's payload), so all grow
-    /// in the same call.
-    fn ensure_ring(&mut self, len: usize) -> Result<()> {
-        if self.ring.as_ref().is_some_and(|w| w.work.len() >= len) {
+    /// The algorithm for an allreduce of `len` bytes of `dtype`.
+    fn algo(&self, len: usize, dtype: DataType) -> Algo {
+        let n = self.size();
+        let count = len / dtype.size();
+        if n == 1 {
+            Algo::Alone
+        } else if len <= self.cfg.gather_max && n.is_power_of_two() && n <= 64 {
+            Algo::Gather
+        } else if len <= self.cfg.small_max || count < n {
+            Algo::Doubling
+        } else if self.cfg.write_ring
+            && n <= MAX_WRITE_RING
+            && self.domain.info().caps.ops.contains(OpSet::WRITE)
+        {
+            Algo::WriteRing
+        } else {
+            Algo::TaggedRing
+        }
+    }
+
+    /// Runs `algo` on the caller's slice (the sequence number already taken).
+    fn allreduce_copied(
+        &mut self,
+        algo: Algo,
+        data: &mut [u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let count = data.len() / dtype.size();
+        match algo {
+            Algo::Alone => Ok(()),
+            Algo::Gather => self.gather_doubling(data, dtype, op),
+            Algo::Doubling => self.recursive_doubling(data, dtype, op),
+            Algo::WriteRing => {
+                let bounds = self.bounds(count, dtype.size());
+                self.write_ring(RingData::Copied(data), &bounds, dtype, op)
+            }
+            Algo::TaggedRing => {
+                let bounds = self.bounds(count, dtype.size());
+                self.ring_reduce_scatter(data, &bounds, dtype, op)?;
+                self.ring_allgather(data, &bounds, 0)
+            }
+        }
+    }
+
+    /// Reduces the elements of `dtype` (little-endian) in `data`, memory the caller
+    /// registered in this communicator's domain, across ranks in place: every rank passes
+    /// its own region (or a slice of one), all of the same length, and gets the same bits as
+    /// [`Comm::allreduce_bytes`] on the same values.
+    ///
+    /// **No copy in, no copy out** on the large path (the pipelined write ring, above
+    /// [`CommConfig::small_max`] when the provider has RDMA Write): segments are sent
+    /// straight from `data`, reduced into it, and the previous rank RDMA-writes the gathered
+    /// result into it. So the region needs [`Access::REMOTE_WRITE`] (and `LOCAL_WRITE`,
+    /// which registration requires with it), whatever the size; a region without it, of
+    /// another domain, deregistered, or a length that is not a whole number of elements is
+    /// refused (`LocalProtection`, `InvalidArgument`) before anything is sent. The other
+    /// paths (small payloads, one rank, the tagged ring) copy the data out into a buffer the
+    /// communicator keeps, run as [`Comm::allreduce_bytes`] does and copy the result back.
+    ///
+    /// The ring needs where the next rank's region is. Each rank sends its region's
+    /// descriptor round the ring on the reduce-scatter's first notifications, which go to
+    /// the previous rank anyway (forwarded by the ranks between), and only when it changed
+    /// since this rank's previous in-place allreduce: reusing a region costs nothing,
+    /// changing it costs no extra message either. The previous rank checks the length: a
+    /// rank that passes another length than the next makes that rank fail with `Protocol`
+    /// (and the others then time out, as any mismatched collective does).
+    ///
+    /// While the call runs the region's bytes are unspecified (peers write into it); read
+    /// the result after it returns. Data is read and written through the region's buffer
+    /// (`Buffer::write_slice` / `read_slice` on a little-endian host).
+    ///
+    /// ```no_run
+    /// # use fabric::prelude::*;
+    /// # use fabric_collectives::{Comm, ReduceOp};
+    /// # fn f(comm: &mut Comm, domain: &AnyDomain) -> fabric::Result<()> {
+    /// let mut v = vec![1.0f32; 1 << 20];
+    /// // Registered once, reused by every call.
+    /// let region = domain.alloc(v.len() * 4, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+    /// region.buffer().write_slice(0, &v);
+    /// comm.allreduce_region::<f32>(&region, v.len(), ReduceOp::Sum)?;
+    /// region.buffer().read_slice(0, &mut v);
+    /// # Ok(()) }
+    /// ```
+    pub fn allreduce_region_bytes(
+        &mut self,
+        data: Slice<'_>,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let len = data.len();
+        if !len.is_multiple_of(dtype.size()) {
+            return Err(Error::invalid(format!(
+                "allreduce_region: {len} bytes is not a whole number of {dtype} elements"
+            )));
+        }
+        let need = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+        if let Err(e) = data.check_local(self.sbuf.to_ref().domain_id(), need) {
+            return Err(Error::new(
+                e.kind(),
+                format!(
+                    "allreduce_region: {} (the region must be registered in this \
+                     communicator's domain with LOCAL_WRITE | REMOTE_WRITE)",
+                    e.message()
+                ),
+            ));
+        }
+        self.seq += 1;
+        let algo = self.algo(len, dtype);
+        if algo == Algo::Alone {
             return Ok(());
         }
+        if algo == Algo::WriteRing {
+            let bounds = self.bounds(len / dtype.size(), dtype.size());
+            let res = self.write_ring(RingData::InPlace(data), &bounds, dtype, op);
+            if res.is_err() {
+                // Whatever the ranks learnt of each other's regions in this call is unsure.
+                (self.region_told, self.next_region) = (None, None);
+            }
+            return res;
+        }
+        let mut tmp = std::mem::take(&mut self.region_tmp);
+        tmp.resize(len, 0);
+        let buf = data.region().buffer();
+        buf.read(data.offset(), &mut tmp);
+        let res = self.allreduce_copied(algo, &mut tmp, dtype, op);
+        if res.is_ok() {
+            buf.write(data.offset(), &tmp);
+        }
+        self.region_tmp = tmp;
+        res
+    }
+
+    /// [`Comm::allreduce_region_bytes`] over the first `count` elements of `T` in `region`.
+    pub fn allreduce_region<T: Element>(
+        &mut self,
+        region: &MemoryRegion,
+        count: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let es = T::DTYPE.size();
+        let len = count
+            .checked_mul(es)
+            .filter(|&l| l <= region.len())
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "allreduce_region: {count} elements of {} do not fit a region of {} bytes",
+                    T::DTYPE,
+                    region.len()
+                ))
+            })?;
+        self.allreduce_region_bytes(region.slice(..len)?, T::DTYPE, op)
+    }
+
+    /// Makes (or grows) the write ring's buffers to hold `len` bytes (the work buffer too
+    /// when `need_work`: an allreduce of a slice) and swaps their descriptors with the
+    /// neighbours: ours go to the previous rank, the next rank's come here. Every rank
+    /// calls it with the same `len` and `need_work` (a collective's payload and kind), so all
+    /// grow in the same call.
+    fn ensure_ring(&mut self, len: usize, need_work: bool) -> Result<()> {
+        let (land_ok, work_ok) = match &self.ring {
+            Some(w) => (
+                w.land.len() >= len,
+                !need_work || w.work.as_ref().is_some_and(|b| b.len() >= len),
+            ),
+            None => (false, false),
+        };
+        if land_ok && work_ok {
+            return Ok(());
+        }
+        let (n, r) = (self.size(), self.rank);
         let cap = len.next_power_of_two();
         let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
-        let work = Arc::new(self.domain.alloc(cap, access)?);
-        let land = Arc::new(self.domain.alloc(cap, access)?);
-        let note = Arc::new(self.domain.alloc(64, Access::LOCAL_WRITE)?);
-        let mut mine = work.desc().to_bytes().to_vec();
+        let old = self.ring.take();
+        let (old_work, old_land, old_note) = match old {
+            Some(w) => (w.work, Some(w.land), Some(w.note)),
+            None => (None, None, None),
+        };
+        let land = match old_land {
+            Some(l) if land_ok => l,
+            _ => Arc::new(self.domain.alloc(cap, access)?),
+        };
+        let work = if work_ok {
+            old_work
+        } else {
+            Some(Arc::new(self.domain.alloc(cap, access)?))
+        };
+        let note = match old_note {
+            Some(b) => b,
+            None => Arc::new(
+                self.domain
+                    .alloc((NOTE_SLOT * n).max(64), Access::LOCAL_WRITE)?,
+            ),
+        };
+        // Ours: the work buffer's descriptor (zero length when there is none), the landing
+        // buffer's.
+        let none = RemoteDesc {
+            addr: 0,
+            len: 0,
+            key: 0,
+        };
+        let mut mine = work.as_ref().map_or(none, |w| w.desc()).to_bytes().to_vec();
         mine.extend_from_slice(&land.desc().to_bytes());
-        let (n, r) = (self.size(), self.rank);
         let got = self.step(
             DESC_STEP,
             Some(((r + n - 1) % n, &mine)),
@@ -591,13 +801,17 @@ impl Comm {
         )?;
         let next_work = RemoteDesc::from_bytes(&got[..RemoteDesc::ENCODED_LEN])?;
         let next_land = RemoteDesc::from_bytes(&got[RemoteDesc::ENCODED_LEN..])?;
-        if next_work.len < len as u64 || next_land.len < len as u64 {
+        if next_land.len < len as u64 || (need_work && next_work.len < len as u64) {
             return Err(Error::new(
                 ErrorKind::Protocol,
                 format!(
                     "rank {}'s ring buffers hold {} bytes, {len} needed",
                     (r + 1) % n,
-                    next_work.len.min(next_land.len)
+                    if need_work {
+                        next_work.len.min(next_land.len)
+                    } else {
+                        next_land.len
+                    }
                 ),
             ));
         }
@@ -605,7 +819,7 @@ impl Comm {
             work,
             land,
             note,
-            next_work,
+            next_work: (next_work.len > 0).then_some(next_work),
             next_land,
         });
         Ok(())
@@ -614,27 +828,38 @@ impl Comm {
     /// Ring allreduce as one pipeline of segments (as NCCL's ring does it): each segment
     /// goes through `2(n-1)` stages, the reduce-scatter's `n-1` then the allgather's. At
     /// stage `t` a rank RDMA-writes segment `k` of its block into the next rank's buffer
-    /// (the landing buffer while reducing, the work buffer while gathering) and follows the
-    /// write with a zero-length tagged message on the same connection, which arrives after
-    /// the data is placed; the receiver reduces (or keeps) the segment and sends it on as
-    /// stage `t+1` at once, without waiting for the rest of the block. Each block is reduced
-    /// along the ring in the same order as [`Comm::ring_reduce_scatter`], so every rank
-    /// holds the same bits.
+    /// (the landing buffer while reducing, the work buffer or the caller's region while
+    /// gathering) and follows the write with a small tagged message on the same
+    /// connection, which arrives after the data is placed; the receiver reduces (or keeps)
+    /// the segment and sends it on as stage `t+1` at once, without waiting for the rest of
+    /// the block. Each block is reduced along the ring in the same order as
+    /// [`Comm::ring_reduce_scatter`], so every rank holds the same bits.
     ///
     /// No step needs a handshake: in one call every block lands in its own place, and a
     /// rank writes a place on the next rank only once the data there has been used (the
     /// ring's own dependencies: a block is final only after every rank has passed it on),
     /// also across calls (a rank finishes a call only after every block became final, so
-    /// after the next rank reduced everything this rank wrote to it).
+    /// after the next rank reduced everything this rank wrote to it). In place
+    /// ([`RingData::InPlace`]) the same holds for the caller's region: a rank's input at a
+    /// block is read once, when the block passes through it in the reduce-scatter, before
+    /// the block's final value can come back round the ring into that place.
+    ///
+    /// In place, the notifications of segment 0 in the reduce-scatter carry the region
+    /// descriptor of the rank where the block started (empty: the same as that rank's
+    /// previous call), each rank passing on what it received; the block started at the next
+    /// rank, so the previous rank learns where to write the gathered blocks before its
+    /// first allgather stage, and holds its allgather writes until then.
     fn write_ring(
         &mut self,
-        data: &mut [u8],
+        mut data: RingData<'_>,
         bounds: &[usize],
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank);
-        self.ensure_ring(data.len())?;
+        let total = bounds[n];
+        let in_place = matches!(data, RingData::InPlace(_));
+        self.ensure_ring(total, !in_place)?;
         let w = self.ring.as_ref().expect("made");
         let (work, land, note) = (w.work.clone(), w.land.clone(), w.note.clone());
         let (next_work, next_land) = (w.next_work, w.next_land);
@@ -671,39 +896,89 @@ impl Comm {
             let s = (b.start + k * seg).min(b.end);
             s..(s + seg).min(b.end)
         };
+        // In place: the note slots. Slot t receives stage t's descriptor (segment 0 of the
+        // reduce-scatter), slot n-1 holds ours; `told` is the length of what we send.
+        let own = (n - 1) * NOTE_SLOT;
+        let carries = |t: usize, k: usize| in_place && k == 0 && t < n - 1;
+        let mut told = 0;
+        if let RingData::InPlace(s) = &data {
+            let d = s.region().desc();
+            let mine = RemoteDesc {
+                addr: d.addr + s.offset() as u64,
+                len: s.len() as u64,
+                key: d.key,
+            };
+            if self.region_told != Some(mine) {
+                note.buffer().write(own, &mine.to_bytes());
+                told = RemoteDesc::ENCODED_LEN;
+                self.region_told = Some(mine);
+            }
+        }
+        // What arrived in each slot (bytes), the next rank's region once known this call,
+        // and allgather stages held until then.
+        let mut got = vec![0usize; n - 1];
+        let mut next_region: Option<RemoteDesc> = None;
+        let mut held: Vec<(usize, usize)> = Vec::new();
         // Every notification of the call, posted up front.
         for t in 0..stages {
             for k in 0..nseg {
+                let (at, len) = if carries(t, k) {
+                    (t * NOTE_SLOT, NOTE_SLOT)
+                } else {
+                    (0, 0)
+                };
                 self.ep.trecv(
                     Source::Peer(prev),
                     self.tag(RING_STEP + t as u64, k),
                     0,
-                    RecvBuf::new(note.clone(), 0, 0),
+                    RecvBuf::new(note.clone(), at, len),
                     RECV_CTX | (t * nseg + k) as u64,
                 )?;
             }
         }
-        // The data stays in `data`; `work` holds what is sent from here (and receives the
-        // allgather's blocks): first the block sent at stage 0 as it is, later each segment
-        // once reduced.
-        let first = send_blk(0);
-        work.buffer().write(first.start, &data[first]);
+        // Copied, the data stays in `data` and `work` holds what is sent from here (and
+        // receives the allgather's blocks): first the block sent at stage 0 as it is, later
+        // each segment once reduced. In place, the region is all of that.
+        if let RingData::Copied(d) = &data {
+            let first = send_blk(0);
+            work.as_ref()
+                .expect("made")
+                .buffer()
+                .write(first.start, &d[first]);
+        }
         // Segments ready to send (stage, segment), writes in flight, completions owed.
         let mut todo: VecDeque<(usize, usize)> = (0..nseg).map(|k| (0, k)).collect();
         let mut writing = 0usize;
         let mut owed = 2 * stages * nseg; // every notification sent and received
         let mut chunk = vec![0u8; REDUCE_CHUNK.min(seg)];
+        let mut mine = vec![0u8; if in_place { chunk.len() } else { 0 }];
         while owed > 0 || writing > 0 {
             while writing < self.cfg.write_window.max(1) {
                 let Some((t, k)) = todo.pop_front() else {
                     break;
                 };
+                if in_place && t >= n - 1 && next_region.is_none() {
+                    held.push((t, k));
+                    continue;
+                }
                 let range = part(send_blk(t), k);
                 if !range.is_empty() {
-                    let dest = if t < n - 1 { next_land } else { next_work };
+                    let dest = if t < n - 1 {
+                        next_land
+                    } else if let Some(d) = next_region {
+                        d
+                    } else {
+                        next_work.expect("exchanged with the work buffer")
+                    };
+                    let src = match &data {
+                        RingData::Copied(_) => work.as_ref().expect("made").slice(range.clone())?,
+                        RingData::InPlace(s) => s
+                            .region()
+                            .slice(s.offset() + range.start..s.offset() + range.end)?,
+                    };
                     match self.ep.write(
                         next,
-                        &[work.slice(range.clone())?],
+                        &[src],
                         dest.at(range.start as u64),
                         WRITE_CTX | (t * nseg + k) as u64,
                     ) {
@@ -716,10 +991,16 @@ impl Comm {
                         Err(e) => return Err(e),
                     }
                 }
+                // Stage 0 sends our descriptor; later stages pass on what came in.
+                let body = match (carries(t, k), t) {
+                    (false, _) => 0..0,
+                    (true, 0) => own..own + told,
+                    (true, t) => (t - 1) * NOTE_SLOT..(t - 1) * NOTE_SLOT + got[t - 1],
+                };
                 self.ep.tsend(
                     next,
                     self.tag(RING_STEP + t as u64, k),
-                    note.slice(0..0)?,
+                    note.slice(body)?,
                     SEND_CTX | (t * nseg + k) as u64,
                 )?;
             }
@@ -735,29 +1016,88 @@ impl Comm {
             }
             let i = (c.context & !RECV_CTX) as usize;
             let (t, k) = (i / nseg, i % nseg);
+            if carries(t, k) {
+                let len = c.len as usize;
+                if len != 0 && len != RemoteDesc::ENCODED_LEN {
+                    return Err(Error::new(
+                        ErrorKind::Protocol,
+                        format!("write ring stage {t}: a notification of {len} bytes"),
+                    ));
+                }
+                got[t] = len;
+                if t == n - 2 {
+                    // The descriptor of the next rank's region.
+                    let d = if len == 0 {
+                        self.next_region.ok_or_else(|| {
+                            Error::new(
+                                ErrorKind::Protocol,
+                                format!(
+                                    "rank {} did not send its region's descriptor",
+                                    (r + 1) % n
+                                ),
+                            )
+                        })?
+                    } else {
+                        let mut b = [0u8; RemoteDesc::ENCODED_LEN];
+                        note.buffer().read(t * NOTE_SLOT, &mut b);
+                        RemoteDesc::from_bytes(&b)?
+                    };
+                    if d.len != total as u64 {
+                        return Err(Error::new(
+                            ErrorKind::Protocol,
+                            format!(
+                                "allreduce_region: rank {} passed {} bytes, rank {r} {total}: \
+                                 every rank passes the same length",
+                                (r + 1) % n,
+                                d.len
+                            ),
+                        ));
+                    }
+                    self.next_region = Some(d);
+                    next_region = Some(d);
+                    todo.extend(held.drain(..));
+                }
+            }
             let range = part(recv_blk(t), k);
             if t < n - 1 && !range.is_empty() {
                 // Reduce-scatter: the one that landed op our input, in the ring's order,
-                // straight into `work` to be sent on, a cache-sized chunk at a time (one
-                // pass over the landing buffer, the input and `work`). Each block is
-                // received once in the reduce-scatter, so `data` still holds our input
-                // there; only our own block, final after stage n-2, goes back into it.
-                let own = t == n - 2;
+                // straight into what is sent on, a cache-sized chunk at a time (one pass
+                // over the landing buffer, the input and the send buffer). Each block is
+                // received once in the reduce-scatter, so the input is still ours there;
+                // copied, only our own block, final after stage n-2, goes back into it.
+                let last = t == n - 2;
                 let mut at = range.start;
                 while at < range.end {
                     let end = (at + REDUCE_CHUNK).min(range.end);
                     let tmp = &mut chunk[..end - at];
                     land.buffer().read(at, tmp);
-                    reduce(dtype, op, tmp, &data[at..end], false);
-                    work.buffer().write(at, tmp);
-                    if own {
-                        data[at..end].copy_from_slice(tmp);
+                    match &mut data {
+                        RingData::Copied(d) => {
+                            reduce(dtype, op, tmp, &d[at..end], false);
+                            work.as_ref().expect("made").buffer().write(at, tmp);
+                            if last {
+                                d[at..end].copy_from_slice(tmp);
+                            }
+                        }
+                        RingData::InPlace(s) => {
+                            let buf = s.region().buffer();
+                            let ours = &mut mine[..end - at];
+                            buf.read(s.offset() + at, ours);
+                            reduce(dtype, op, tmp, ours, false);
+                            buf.write(s.offset() + at, tmp);
+                        }
                     }
                     at = end;
                 }
             } else if !range.is_empty() {
-                // Allgather: a final segment, written into `work` by the previous rank.
-                work.buffer().read(range.start, &mut data[range]);
+                // Allgather: a final segment, written into `work` (or in place) by the
+                // previous rank.
+                if let RingData::Copied(d) = &mut data {
+                    work.as_ref()
+                        .expect("made")
+                        .buffer()
+                        .read(range.start, &mut d[range]);
+                }
             }
             if t + 1 < stages {
                 todo.push_back((t + 1, k));
@@ -949,4 +1289,83 @@ fn check_len(data: &[u8], dtype: DataType) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A domain and an endpoint on the tcp provider.
+    fn open() -> (Arc<AnyDomain>, RdmEndpoint) {
+        let (d, _) = fabric::Selector::new()
+            .providers("tcp")
+            .and_then(|s| s.open())
+            .expect("tcp");
+        let d = Arc::new(d);
+        let ep = RdmEndpoint::new(d.clone(), fabric_rdm::RdmConfig::default()).expect("ep");
+        (d, ep)
+    }
+
+    /// The algorithm depends on the length, the group and the configuration only; an
+    /// in-place allreduce takes the write ring exactly where a slice's does.
+    #[test]
+    fn algorithm_by_length() {
+        let eps: Vec<_> = (0..4).map(|_| open()).collect();
+        let names: Vec<Vec<u8>> = eps.iter().map(|(_, e)| e.name()).collect();
+        let mut eps = eps.into_iter();
+        let (d, ep) = eps.next().expect("rank 0");
+        let cfg = CommConfig::default();
+        let mut c = Comm::new(d, ep, 0, &names, cfg).expect("comm");
+        assert_eq!(c.algo(8, DataType::F32), Algo::Gather);
+        assert_eq!(c.algo(cfg.gather_max + 8, DataType::F64), Algo::Doubling);
+        assert_eq!(c.algo(cfg.small_max, DataType::F32), Algo::Doubling);
+        assert_eq!(c.algo(cfg.small_max + 4, DataType::F32), Algo::WriteRing);
+        c.cfg.write_ring = false;
+        assert_eq!(c.algo(cfg.small_max + 4, DataType::F32), Algo::TaggedRing);
+    }
+
+    /// Bad input to the registered-buffer allreduce is refused before anything is sent, with
+    /// a message that says what is wrong; good input on one rank leaves the data as it is.
+    #[test]
+    fn region_input_is_checked() {
+        let (d, ep) = open();
+        let name = ep.name();
+        let mut c = Comm::new(d.clone(), ep, 0, &[name], CommConfig::default()).expect("comm");
+        let rw = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+
+        let local = d.alloc(64, Access::LOCAL_WRITE).expect("alloc");
+        let e = c
+            .allreduce_region_bytes(local.all(), DataType::F32, ReduceOp::Sum)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::LocalProtection, "{e}");
+        assert!(e.message().contains("REMOTE_WRITE"), "{e}");
+
+        let region = d.alloc(64, rw).expect("alloc");
+        let e = c
+            .allreduce_region_bytes(region.slice(0..6).unwrap(), DataType::I32, ReduceOp::Sum)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+        assert!(e.message().contains("whole number"), "{e}");
+
+        let e = c
+            .allreduce_region::<f64>(&region, 9, ReduceOp::Max)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+        assert!(e.message().contains("do not fit"), "{e}");
+        assert!(region.slice(0..65).is_err(), "a slice past the region");
+
+        let (other, _ep) = open();
+        let foreign = other.alloc(64, rw).expect("alloc");
+        let e = c
+            .allreduce_region::<u8>(&foreign, 64, ReduceOp::Sum)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::LocalProtection, "{e}");
+
+        region.buffer().write_slice(0, &[1.5f64, -2.0, 7.25]);
+        c.allreduce_region::<f64>(&region, 3, ReduceOp::Sum)
+            .expect("one rank");
+        let mut back = [0f64; 3];
+        region.buffer().read_slice(0, &mut back);
+        assert_eq!(back, [1.5, -2.0, 7.25]);
+    }
 }

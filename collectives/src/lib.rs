@@ -6,6 +6,10 @@
 //!   [`CommConfig::small_max`] bytes recursive doubling (a group that is not a power of two
 //!   first folds its extra ranks into their neighbours); else a ring (reduce-scatter, then
 //!   allgather), RDMA-written segment by segment when the provider has RDMA Write.
+//! * Allreduce on memory the caller registered ([`Comm::allreduce_region`],
+//!   [`Comm::allreduce_region_bytes`]): the write ring sends from, reduces into and gathers
+//!   into the caller's region itself, with no copy in or out (the small paths copy); the
+//!   same bits as [`Comm::allreduce`] on the same values.
 //! * Allgather: recursive doubling for small payloads on power-of-two groups, else a ring.
 //! * Reduce-scatter: a ring. Broadcast: a binomial tree up to
 //!   [`CommConfig::bcast_small_max`], else a chain pipelined in chunks. Barrier:
