@@ -1,9 +1,8 @@
 //! Ranks as threads in one process, each with its own tcp domain and RDM endpoint.
 
-use std::sync::Arc;
+mod common;
 
 use fabric_collectives::{Comm, CommConfig, DataType, ReduceOp};
-use fabric_rdm::{RdmConfig, RdmEndpoint};
 
 fn run<R: Send + 'static>(n: usize, f: impl Fn(&mut Comm) -> R + Send + Sync + 'static) -> Vec<R> {
     // Small segments: large transfers go in many messages.
@@ -19,30 +18,7 @@ fn run_with<R: Send + 'static>(
     cfg: CommConfig,
     f: impl Fn(&mut Comm) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
-    let mut eps = Vec::new();
-    for _ in 0..n {
-        let (d, _) = fabric::Selector::new()
-            .providers("tcp")
-            .and_then(|s| s.open())
-            .expect("tcp");
-        let d = Arc::new(d);
-        let ep = RdmEndpoint::new(d.clone(), RdmConfig::default()).expect("endpoint");
-        eps.push((d, ep));
-    }
-    let names: Vec<Vec<u8>> = eps.iter().map(|(_, e)| e.name()).collect();
-    let f = Arc::new(f);
-    let hs: Vec<_> = eps
-        .into_iter()
-        .enumerate()
-        .map(|(r, (d, ep))| {
-            let (names, f) = (names.clone(), f.clone());
-            std::thread::spawn(move || {
-                let mut c = Comm::new(d, ep, r, &names, cfg).expect("comm");
-                f(&mut c)
-            })
-        })
-        .collect();
-    hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    common::run_with(n, cfg, move |c, _| f(c))
 }
 
 fn value(rank: usize, i: usize) -> i64 {

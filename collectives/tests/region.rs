@@ -8,41 +8,11 @@ use std::time::Duration;
 use fabric::prelude::*;
 use fabric::ErrorKind;
 use fabric_collectives::{Comm, CommConfig, DataType, ReduceOp};
-use fabric_rdm::{RdmConfig, RdmEndpoint};
+
+mod common;
+use common::run_with;
 
 const RW: Access = Access::LOCAL_WRITE.union(Access::REMOTE_WRITE);
-
-/// Runs `f` on `n` ranks; each gets its communicator and its domain (to register in).
-fn run_with<R: Send + 'static>(
-    n: usize,
-    cfg: CommConfig,
-    f: impl Fn(&mut Comm, &AnyDomain) -> R + Send + Sync + 'static,
-) -> Vec<R> {
-    let mut eps = Vec::new();
-    for _ in 0..n {
-        let (d, _) = fabric::Selector::new()
-            .providers("tcp")
-            .and_then(|s| s.open())
-            .expect("tcp");
-        let d = Arc::new(d);
-        let ep = RdmEndpoint::new(d.clone(), RdmConfig::default()).expect("endpoint");
-        eps.push((d, ep));
-    }
-    let names: Vec<Vec<u8>> = eps.iter().map(|(_, e)| e.name()).collect();
-    let f = Arc::new(f);
-    let hs: Vec<_> = eps
-        .into_iter()
-        .enumerate()
-        .map(|(r, (d, ep))| {
-            let (names, f) = (names.clone(), f.clone());
-            std::thread::spawn(move || {
-                let mut c = Comm::new(d.clone(), ep, r, &names, cfg).expect("comm");
-                f(&mut c, &d)
-            })
-        })
-        .collect();
-    hs.into_iter().map(|h| h.join().expect("rank")).collect()
-}
 
 /// Small thresholds, so that the boundaries are cheap to reach: recursive doubling up to
 /// 4 KiB, the write ring above it in 4 KiB segments with 3 writes in flight.
@@ -191,26 +161,21 @@ fn regions_reused_and_changed_across_calls() {
                 let mut slice = data.clone();
                 c.allreduce_bytes(&mut slice, dtype, ReduceOp::Sum).unwrap();
                 let len = data.len();
-                region.buffer().write(offset, &data);
-                c.allreduce_region_bytes(
-                    region.slice(offset..offset + len).unwrap(),
-                    dtype,
-                    ReduceOp::Sum,
-                )
-                .unwrap();
-                res.push((slice, region.buffer().to_vec(offset, len)));
+                let in_place = |c: &mut Comm| {
+                    region.buffer().write(offset, &data);
+                    c.allreduce_region_bytes(
+                        region.slice(offset..offset + len).unwrap(),
+                        dtype,
+                        ReduceOp::Sum,
+                    )
+                    .unwrap();
+                    region.buffer().to_vec(offset, len)
+                };
+                let first = in_place(c);
                 // Back to back, no slice call between: the same region again.
-                region.buffer().write(offset, &data);
-                c.allreduce_region_bytes(
-                    region.slice(offset..offset + len).unwrap(),
-                    dtype,
-                    ReduceOp::Sum,
-                )
-                .unwrap();
-                res.push((
-                    res.last().unwrap().0.clone(),
-                    region.buffer().to_vec(offset, len),
-                ));
+                let again = in_place(c);
+                res.push((slice.clone(), first));
+                res.push((slice, again));
             }
             res
         });
