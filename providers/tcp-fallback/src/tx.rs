@@ -21,8 +21,16 @@ pub(crate) enum Payload {
     /// Bytes copied at post time (inline sends, control messages).
     Inline(Vec<u8>),
     /// Ranges of registered memory, read when the FPDU is written (no copy).
-    Memory(Vec<(Arc<Buffer>, usize, usize)>),
+    Memory(Sges),
 }
+
+/// A gather or scatter list: (buffer, offset, length) ranges of registered memory, inline
+/// up to two entries (the common case allocates nothing per post).
+pub(crate) type Sges = smallvec::SmallVec<[(Arc<Buffer>, usize, usize); 2]>;
+
+/// The messages one request puts on the wire (one, two for a split read or an emulated
+/// immediate), inline up to two.
+pub(crate) type Msgs = smallvec::SmallVec<[OutMsg; 2]>;
 
 impl Payload {
     pub fn len(&self) -> usize {
@@ -546,7 +554,10 @@ mod tests {
                 stag: 0x1234,
                 to: 1 << 20,
             },
-            payload: Payload::Memory(vec![(buf.clone(), 0, 2500), (buf, 2500, len - 2500)]),
+            payload: Payload::Memory(smallvec::smallvec![
+                (buf.clone(), 0, 2500),
+                (buf, 2500, len - 2500)
+            ]),
             sent_seq: Some(7),
             inbound: false,
         }));

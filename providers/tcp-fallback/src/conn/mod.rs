@@ -35,7 +35,7 @@ use crate::credit::{credit_allows, LocalArea};
 use crate::emu::{Announcement, LocalEmu};
 use crate::engine::Engine;
 use crate::keys::{random_u32, KeyTable};
-use crate::tx::{Kind, OutMsg, Payload, Queued, TxQueue};
+use crate::tx::{Kind, Msgs, OutMsg, Payload, Queued, Sges, TxQueue};
 use crate::wire::ddp::{
     self, atomic_op, opcode, qn, term, AtomicRequest, AtomicResponse, ReadRequest, Terminate,
 };
@@ -180,8 +180,6 @@ impl Pending {
     }
 }
 
-type Sges = Vec<(Arc<Buffer>, usize, usize)>;
-
 #[derive(Debug)]
 struct PostedRecv {
     context: u64,
@@ -210,7 +208,7 @@ impl Arrived {
 /// messages that carry it.
 #[derive(Debug)]
 struct Gated {
-    msgs: Vec<OutMsg>,
+    msgs: Msgs,
     read_like: bool,
     fence: bool,
     /// Messages that consume a receive at the peer (credits).
@@ -666,7 +664,7 @@ impl Conn {
                 crate::MAX_SGE
             )));
         }
-        let mut sges = Vec::with_capacity(sgl.len());
+        let mut sges = Sges::with_capacity(sgl.len());
         let mut total = 0usize;
         for s in sgl {
             let r = s.check_local(self.domain_id, need)?;
@@ -697,7 +695,7 @@ impl Conn {
     pub fn post_send(&self, wr: &SendWr<'_>) -> Result<bool> {
         let acks = self.neg.has(features::ACKS);
         let inline = wr.flags.contains(SendFlags::INLINE);
-        let mut msgs = Vec::with_capacity(2);
+        let mut msgs = Msgs::new();
         let (wait_write, wait_msg, byte_len, resp_kind, read_like);
         enum R {
             Acks,
@@ -934,11 +932,11 @@ impl Conn {
                         peer.stag,
                         peer.addr + pdata::area::POSTED as u64,
                     ));
-                    (R::Read(vec![ours.scratch()]), true)
+                    (R::Read(smallvec::smallvec![ours.scratch()]), true)
                 }
                 None => {
                     msgs.push(read_request(0, 0, 0));
-                    (R::Read(Vec::new()), true)
+                    (R::Read(Sges::new()), true)
                 }
             },
             other => (other, read_like),
@@ -1925,7 +1923,7 @@ fn crosses_small(addr: u64, len: usize) -> bool {
 
 /// Splits a gather list after `at` bytes.
 fn split_sges(sges: Sges, at: usize) -> (Sges, Sges) {
-    let (mut a, mut b) = (Vec::new(), Vec::new());
+    let (mut a, mut b) = (Sges::new(), Sges::new());
     let mut left = at;
     for (buf, off, len) in sges {
         if left >= len {
@@ -1990,7 +1988,7 @@ mod tests {
         assert!(!crosses_small(4090, 0));
         let a = Arc::new(Buffer::new(64));
         let b = Arc::new(Buffer::new(64));
-        let sges: Sges = vec![(a.clone(), 8, 10), (b.clone(), 0, 14)];
+        let sges: Sges = smallvec::smallvec![(a.clone(), 8, 10), (b.clone(), 0, 14)];
         let (x, y) = split_sges(sges.clone(), 8);
         assert_eq!(
             x.iter().map(|s| (s.1, s.2)).collect::<Vec<_>>(),

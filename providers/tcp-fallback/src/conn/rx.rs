@@ -968,7 +968,9 @@ impl Conn {
                 u64::from(rr.size),
                 Access::REMOTE_READ,
             ) {
-                Ok(t) => Payload::Memory(vec![(t.buffer, t.offset, rr.size as usize)]),
+                Ok(t) => {
+                    Payload::Memory(smallvec::smallvec![(t.buffer, t.offset, rr.size as usize)])
+                }
                 Err(t) => {
                     return Err(violation(
                         t,
