@@ -36,7 +36,9 @@ pub struct RdmConfig {
     /// connections the endpoint can hold (`sq_depth + recv_depth` entries each). Lowered to
     /// the provider's `max_cq_entries` when larger.
     pub cq_capacity: usize,
-    /// Connection establishment timeout.
+    /// Connection establishment timeout: the first operation to a peer waits this long at
+    /// most for its connection, which is tried again within it after a transient failure
+    /// (`Io`, `TimedOut`: siw's 5 s MPA reply timeout, for one).
     pub connect_timeout: Duration,
     /// How long [`RdmEndpoint::wait`] polls before it sleeps in the completion queue
     /// (lower latency for a core spent; zero sleeps at once).
@@ -698,8 +700,10 @@ impl RdmEndpoint {
         ecfg.sq_depth = cfg.sq_depth;
         ecfg.rq_depth = cfg.recv_depth;
         ecfg.private_data = &pdata;
-        ecfg.timeout = cfg.connect_timeout;
-        let ep = domain.connect(addr, &ecfg)?;
+        let ep = connect_retrying(cfg.connect_timeout, |left| {
+            ecfg.timeout = left;
+            domain.connect(addr, &ecfg)
+        })?;
         let mut g = lock(&self.inner);
         match g.check(peer) {
             Ok(idx) if g.av[idx as usize].addr == addr => g.adopt(idx, addr, ep).map(|_| ()),
@@ -1081,6 +1085,41 @@ impl Drop for RdmEndpoint {
             let _ = c.ep.close();
         }
         g.conns.clear();
+    }
+}
+
+/// The first pause before a connect is tried again ([`connect_retrying`]).
+const RETRY_PAUSE_MIN: Duration = Duration::from_millis(10);
+/// The longest pause between two connect attempts.
+const RETRY_PAUSE_MAX: Duration = Duration::from_millis(500);
+
+/// Runs `connect`, given the time left of `timeout`, until it succeeds, fails for good, or
+/// the time runs out. A failure of kind `Io` or `TimedOut` while time is left is tried again
+/// after a pause ([`RETRY_PAUSE_MIN`], doubling up to [`RETRY_PAUSE_MAX`]): siw gives up on
+/// a connection whose MPA request has had no reply within its own 5 s (`MPAREP_TIMEOUT`,
+/// an rdma_cm connect error), which a listener slow to accept a burst of on-demand
+/// connections causes (seen with 64 peers connecting at once in the soft-RDMA guest under
+/// load), and which a later attempt does not meet. A refusal (nobody listens), bad
+/// arguments and every other error end it at once.
+fn connect_retrying<T>(
+    timeout: Duration,
+    mut connect: impl FnMut(Duration) -> Result<T>,
+) -> Result<T> {
+    let deadline = Instant::now() + timeout;
+    let mut pause = RETRY_PAUSE_MIN;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match connect(left) {
+            Err(e)
+                if matches!(e.kind(), ErrorKind::Io | ErrorKind::TimedOut)
+                    && Instant::now() + pause < deadline =>
+            {
+                tracing::debug!(target: "fabric_rdm", "connect failed, again in {pause:?}: {e}");
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(RETRY_PAUSE_MAX);
+            }
+            r => return r,
+        }
     }
 }
 
@@ -2112,6 +2151,52 @@ impl Inner {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connect_that_fails_transiently_is_tried_again_within_its_timeout() {
+        let mut calls = Vec::new();
+        let got = connect_retrying(Duration::from_secs(5), |left| {
+            calls.push(left);
+            match calls.len() {
+                1 => Err(Error::new(ErrorKind::Io, "connect error, status -22")),
+                2 => Err(Error::new(ErrorKind::TimedOut, "no MPA reply")),
+                _ => Ok(7),
+            }
+        });
+        assert_eq!(got.expect("the third attempt connects"), 7);
+        assert_eq!(calls.len(), 3);
+        // Each attempt gets what is left of the one timeout, not a fresh one.
+        assert!(calls[0] <= Duration::from_secs(5));
+        assert!(calls[1] < calls[0] && calls[2] < calls[1], "{calls:?}");
+    }
+
+    #[test]
+    fn a_refused_or_invalid_connect_is_not_tried_again() {
+        for kind in [ErrorKind::ConnectionRefused, ErrorKind::InvalidArgument] {
+            let mut calls = 0;
+            let got: Result<()> = connect_retrying(Duration::from_secs(5), |_| {
+                calls += 1;
+                Err(Error::new(kind, "no"))
+            });
+            assert_eq!(got.expect_err("fails").kind(), kind);
+            assert_eq!(calls, 1, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn retrying_a_connect_stops_at_its_timeout() {
+        let start = Instant::now();
+        let mut calls = 0;
+        let got: Result<()> = connect_retrying(Duration::from_millis(100), |left| {
+            calls += 1;
+            assert!(left <= Duration::from_millis(100));
+            Err(Error::new(ErrorKind::TimedOut, "unreachable"))
+        });
+        assert_eq!(got.expect_err("fails").kind(), ErrorKind::TimedOut);
+        assert!(calls >= 2, "tried {calls} times");
+        // No pause starts that would end after the timeout.
+        assert!(start.elapsed() < Duration::from_millis(100) + RETRY_PAUSE_MIN * 10);
+    }
 
     #[test]
     fn names_round_trip_and_garbage_is_refused() {

@@ -131,7 +131,8 @@
 //! made: the first messages may arrive before the accepting side posted its buffers, and
 //! wait there on the provider's receiver-not-ready retry (`OpSet::RNR_WAIT`), which a pair
 //! of different providers may lack (tcp against iwarp). The first operation to a peer
-//! waits for the connection (up to [`RdmConfig::connect_timeout`]); other threads keep using
+//! waits for the connection (up to [`RdmConfig::connect_timeout`], trying again after a
+//! transient failure such as siw's 5 s MPA reply timeout); other threads keep using
 //! the endpoint meanwhile. RDMA operations go to the provider at once and may overtake
 //! messages to the same peer that are still waiting for credits. An RDMA error (a bad
 //! key) puts the provider's connection in the error state: it is dropped, what was queued
