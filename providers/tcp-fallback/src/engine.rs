@@ -8,8 +8,10 @@
 //!   emulated atomics completing while the target application never polls
 //!   (docs/contract.md section 4);
 //! * the **completion queue's**, which the application drives itself: `poll` runs a
-//!   zero-timeout `epoll_wait` and makes progress on whatever is ready, and `wait` sleeps in
-//!   it, so a waiting application is woken by the socket directly, with no hand-off.
+//!   zero-timeout `epoll_wait` and makes progress on whatever is ready (a queue of one
+//!   connection reads that socket directly instead: [`PollSet::run_now`]), and `wait`
+//!   sleeps in it, so a waiting application is woken by the socket directly, with no
+//!   hand-off.
 //!
 //! **Hand-off.** While the application drives a connection itself (it polled one of the
 //! connection's completion queues within `HANDOFF` (1 ms), or sleeps in `wait` on one), the
