@@ -9,7 +9,7 @@
 //!   (docs/contract.md section 4);
 //! * the **completion queue's**, which the application drives itself: `poll` runs a
 //!   zero-timeout `epoll_wait` and makes progress on whatever is ready (a queue of one
-//!   connection reads that socket directly instead: [`PollSet::run_now`]), and `wait`
+//!   connection reads that socket directly instead: `PollSet::run_now`), and `wait`
 //!   sleeps in it, so a waiting application is woken by the socket directly, with no
 //!   hand-off.
 //!
