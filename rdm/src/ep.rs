@@ -15,6 +15,7 @@ use fabric::{Error, RegionRef, Result, Slice};
 
 use crate::matching::{Matcher, Spec, Src};
 use crate::wire::{Header, Kind, F_SYNC, F_TAGGED, HDR_LEN};
+use crate::IdMap;
 
 /// Configuration of an [`RdmEndpoint`].
 #[derive(Debug, Clone)]
@@ -469,18 +470,18 @@ struct Inner {
     slot: usize,
     av: Vec<AvEntry>,
     by_addr: HashMap<(SocketAddr, u64), u32>,
-    conns: HashMap<u64, Conn>,
+    conns: IdMap<Conn>,
     next_conn: u64,
     cq_reserved: usize,
-    inflight: HashMap<u64, Inflight>,
+    inflight: IdMap<Inflight>,
     next_wr: u64,
-    ops: HashMap<u64, UserOp>,
+    ops: IdMap<UserOp>,
     next_op: u64,
     tagged: Matcher<Posted, Unexp>,
     untagged: Matcher<Posted, Unexp>,
-    recv_seq: HashMap<u64, (bool, u64)>,
+    recv_seq: IdMap<(bool, u64)>,
     unexp_bytes: usize,
-    claimed: HashMap<u64, (u32, Unexp)>,
+    claimed: IdMap<(u32, Unexp)>,
     slots: Slots,
     done: VecDeque<RdmCompletion>,
     /// The provider completions of one progress pass (kept to reuse its allocation).
@@ -559,18 +560,18 @@ impl RdmEndpoint {
             name,
             av: Vec::new(),
             by_addr: HashMap::new(),
-            conns: HashMap::new(),
+            conns: IdMap::default(),
             next_conn: 1,
             cq_reserved: 0,
-            inflight: HashMap::new(),
+            inflight: IdMap::default(),
             next_wr: 1,
-            ops: HashMap::new(),
+            ops: IdMap::default(),
             next_op: 1,
             tagged: Matcher::default(),
             untagged: Matcher::default(),
-            recv_seq: HashMap::new(),
+            recv_seq: IdMap::default(),
             unexp_bytes: 0,
-            claimed: HashMap::new(),
+            claimed: IdMap::default(),
             slots,
             done: VecDeque::new(),
             cq_batch: Vec::with_capacity(64),

@@ -56,7 +56,7 @@ impl Spec {
 #[derive(Debug)]
 pub struct Matcher<R, U> {
     next_seq: u64,
-    posted: HashMap<u64, (Spec, R)>,
+    posted: crate::IdMap<(Spec, R)>,
     exp_exact: HashMap<(u32, u64), VecDeque<u64>>,
     exp_wild: BTreeMap<u64, Spec>,
     next_arrival: u64,
@@ -68,7 +68,7 @@ impl<R, U> Default for Matcher<R, U> {
     fn default() -> Self {
         Matcher {
             next_seq: 1,
-            posted: HashMap::new(),
+            posted: crate::IdMap::default(),
             exp_exact: HashMap::new(),
             exp_wild: BTreeMap::new(),
             next_arrival: 1,
