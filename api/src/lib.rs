@@ -104,6 +104,7 @@
 pub mod caps;
 pub mod emu_wire;
 pub mod error;
+pub mod hash;
 #[allow(unsafe_code)]
 pub mod mem;
 pub mod notify;

@@ -143,60 +143,12 @@ mod ep;
 pub mod matching;
 pub mod wire;
 
-/// Hashes the ids this layer hands out itself (operations, connections, work requests,
-/// posted receives: counters, never chosen by a peer) with one multiplication instead of
-/// std's SipHash, which stays on the maps keyed by what a peer sends (tags, addresses).
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct IdHasher(u64);
-
-impl std::hash::Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        // Fibonacci hashing: the high bits, which the table's control bytes use, depend on
-        // every bit of the id.
-        self.0 = (self.0 ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-
-/// A map keyed by a locally made id (see [`IdHasher`]).
-pub(crate) type IdMap<V> =
-    std::collections::HashMap<u64, V, std::hash::BuildHasherDefault<IdHasher>>;
+/// A map keyed by ids this layer hands out itself (operations, connections, work requests,
+/// posted receives: counters, never chosen by a peer), hashed without SipHash
+/// ([`fabric::hash::IdHasher`]); the maps keyed by what a peer sends keep SipHash.
+pub(crate) type IdMap<V> = fabric::hash::IdMap<u64, V>;
 
 pub use ep::{
     decode_name, Claimed, Peer, ProbeInfo, RdmCompletion, RdmConfig, RdmEndpoint, RdmOp, RdmStats,
     RdmStatus, RecvBuf, RecvId, Source,
 };
-
-#[cfg(test)]
-mod id_hasher_tests {
-    use super::*;
-    use std::hash::{BuildHasher, BuildHasherDefault};
-
-    #[test]
-    fn sequential_ids_spread_over_the_high_bits() {
-        // hashbrown picks buckets with the low bits and tags entries with the top 7: both
-        // must vary across the counters this layer hands out.
-        let b = BuildHasherDefault::<IdHasher>::default();
-        let hashes: Vec<u64> = (1..=1024u64).map(|id| b.hash_one(id)).collect();
-        let top: std::collections::HashSet<u64> = hashes.iter().map(|h| h >> 57).collect();
-        let low: std::collections::HashSet<u64> = hashes.iter().map(|h| h & 1023).collect();
-        assert_eq!(top.len(), 128, "every 7-bit tag is used");
-        assert_eq!(
-            low.len(),
-            1024,
-            "1024 sequential ids, 1024 distinct low 10 bits"
-        );
-        let mut m = IdMap::default();
-        for id in 1..=1024u64 {
-            m.insert(id, id * 2);
-        }
-        assert!((1..=1024u64).all(|id| m[&id] == id * 2));
-    }
-}

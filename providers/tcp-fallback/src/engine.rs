@@ -60,7 +60,6 @@
 //! models (`loom_models`, see `sync`) can run the real sleep / wake protocol over a
 //! model event.
 
-use std::collections::HashMap;
 use std::io;
 use std::net::TcpStream;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
@@ -154,30 +153,11 @@ impl Poller for Poll {
     }
 }
 
-/// Hashes a [`Token`] (a number this provider hands out, one per connection, never chosen
-/// by a peer) by a multiplication instead of SipHash: the maps keyed by tokens are looked
-/// up on every readiness event and every deferral (SipHash was 3 % of the instructions of
-/// an 8-byte ping-pong, measured with callgrind).
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct TokenHasher(u64);
-
-impl std::hash::Hasher for TokenHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-    fn write_usize(&mut self, n: usize) {
-        // Fibonacci hashing: the high bits, which hashbrown uses, depend on every bit.
-        self.0 = (self.0 ^ n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-
-/// A map keyed by connection tokens (see [`TokenHasher`]).
-pub(crate) type TokenMap<V> = HashMap<Token, V, std::hash::BuildHasherDefault<TokenHasher>>;
+/// A map keyed by connection tokens (numbers this provider hands out, one per connection,
+/// never chosen by a peer), looked up on every readiness event and every deferral: hashed
+/// by [`fabric_api::hash::IdHasher`] instead of SipHash (SipHash was 3 % of the
+/// instructions of an 8-byte ping-pong, measured with callgrind).
+pub(crate) type TokenMap<V> = fabric_api::hash::IdMap<Token, V>;
 
 /// What a poll set's lock guards: the poller, its event buffer and the list of connections
 /// a look found ready, each allocated once (an empty poll or a busy one allocates nothing).
