@@ -142,6 +142,52 @@ fn nothing_lands_in_a_read_sink_after_its_flushed_completion() {
     }
 }
 
+/// A write may be placed, and confirmed, while the send posted before it still waits for
+/// a receive at the peer. A close then flushes the send, and the write with it: completions
+/// come in post order and nothing succeeds after a flush (the memcheck run of the suite
+/// once reported the write Success, `fault.close_with_ops_in_flight`).
+#[test]
+fn a_write_confirmed_behind_a_waiting_send_is_flushed_with_it() {
+    let p = pair();
+    let msg = region(&p.domain, 64, Access::empty());
+    let src = region(&p.domain, 4096, Access::empty());
+    src.buffer().fill(0, 4096, 0x3c);
+    let dst = region(&p.domain, 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    p.a.post_send(&SendWr::send(1, &[msg.all()])).unwrap();
+    p.a.post_send(&SendWr::write(2, &[src.all()], dst.desc().at(0)))
+        .unwrap();
+    // The write lands at the peer although no receive is posted for the send.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while dst.buffer().to_vec(0, 4096) != [0x3c; 4096] {
+        assert!(Instant::now() < deadline, "the write never landed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Its confirmation reaches A (progress runs in A's polls), and nothing completes:
+    // the send is first in order and still waits.
+    let mut out = Vec::new();
+    let until = Instant::now() + Duration::from_millis(200);
+    while Instant::now() < until {
+        assert_eq!(
+            p.cq_a.poll(&mut out, 2).unwrap(),
+            0,
+            "completed early: {out:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    p.a.close().unwrap();
+    let s = next(&p.cq_a, Duration::from_secs(5), "send");
+    let w = next(&p.cq_a, Duration::from_secs(5), "write");
+    assert_eq!(
+        (s.context, s.status),
+        (1, Status::Error(ErrorKind::Flushed))
+    );
+    assert_eq!(
+        (w.context, w.status),
+        (2, Status::Error(ErrorKind::Flushed))
+    );
+    drop(p.b);
+}
+
 /// A message larger than the whole unexpected buffer (8 MiB) waits, part-buffered, for its
 /// receive and is then placed whole: nothing lost, nothing errors, memory bounded.
 #[test]

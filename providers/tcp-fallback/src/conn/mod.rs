@@ -1653,8 +1653,11 @@ impl Conn {
     }
 
     /// Enters the state `event` leaves the endpoint in (error or disconnected) and
-    /// reports the event: the first unfinished request gets `head`, every other
-    /// outstanding request and receive completes Flushed.
+    /// reports the event: the first unfinished request gets `head`, every request after it
+    /// and every receive completes Flushed. That includes requests the peer already
+    /// confirmed behind an unfinished one (a write placed while the send before it waits
+    /// for a receive): completions come in post order, and nothing may succeed after a
+    /// flush (docs/contract.md section 6).
     fn enter_error(
         &self,
         st: &mut State,
@@ -1666,8 +1669,11 @@ impl Conn {
         }
         st.status = event.state();
         self.events.push(event);
+        // What finished at the head (a write `blame_write` marked placed, say) completes
+        // first, as it is; from the first unfinished request on, everything fails.
+        self.drain_sq(st);
         let mut head = head;
-        for p in st.sq.iter_mut().filter(|p| !p.done()) {
+        for p in st.sq.iter_mut().filter(|p| p.error.is_none()) {
             p.error = Some(head.take().unwrap_or((ErrorKind::Flushed, None)));
         }
         st.backlog.clear();
