@@ -259,8 +259,13 @@ impl<P: Poller> PollSet<P> {
     }
 
     fn mark_driven(&self) {
+        self.mark_driven_at(now_ns());
+    }
+
+    /// [`mark_driven`](Self::mark_driven) with the time already read.
+    fn mark_driven_at(&self, now: u64) {
         fabric_api::sync::atomic_only(&self.driven_at); // a hint: publishes nothing
-        self.driven_at.store(now_ns().max(1), Ordering::Relaxed);
+        self.driven_at.store(now.max(1), Ordering::Relaxed);
     }
 
     /// Wakes a thread sleeping in this set (call after making the change it waits for).
@@ -319,8 +324,10 @@ impl<P: Poller> PollSet<P> {
     /// or an arm consumes them (at most one spurious return from a wait): nothing is lost,
     /// since the pass reads until the socket is empty or ends, and sends what is queued.
     pub fn run_now(&self) {
-        self.mark_driven();
-        self.send_due();
+        // One clock read serves both (a poll's own cost is mostly these few steps).
+        let now = now_ns();
+        self.mark_driven_at(now);
+        self.send_due(now);
         if let Ok(mut poll) = self.poll.try_lock() {
             match self.sole() {
                 Some(c) => c.progress_app(),
@@ -380,7 +387,8 @@ impl<P: Poller> PollSet<P> {
         self.owed
             .lock()
             .expect("poll set poisoned")
-            .insert(conn.token, Arc::downgrade(conn));
+            .entry(conn.token)
+            .or_insert_with(|| Arc::downgrade(conn));
         self.owed_due.fetch_min(due, Ordering::SeqCst);
         self.owes.store(1, Ordering::SeqCst);
         self.wake();
@@ -420,13 +428,12 @@ impl<P: Poller> PollSet<P> {
     /// The application polls: what its connections hold back goes out if it is due
     /// ([`Conn::send_held_due`]: corked requests, acks of more than [`ACK_HOLD_MAX`]
     /// operations, acks held for the engine's `ack_hold`); the rest stays held, to ride
-    /// on the next message to that peer or leave at a later look. A look costs one clock
-    /// read while nothing is due.
-    fn send_due(&self) {
+    /// on the next message to that peer or leave at a later look. A look costs no more than
+    /// the caller's clock read (`now`) while nothing is due.
+    fn send_due(&self, now: u64) {
         if self.owes.load(Ordering::Relaxed) == 0 {
             return;
         }
-        let now = now_ns();
         if now < self.owed_due.load(Ordering::Relaxed) {
             return;
         }

@@ -60,6 +60,20 @@ impl Payload {
         }
     }
 
+    /// Appends the bytes covering `[off, off+len)` of the payload to `out` (registered
+    /// memory copied out word-atomically, straight into `out`: no staging chunk to clear
+    /// per message).
+    fn append_to(&self, off: usize, len: usize, out: &mut Vec<u8>) {
+        match self {
+            Payload::Inline(v) => out.extend_from_slice(&v[off..off + len]),
+            Payload::Memory(_) => self.for_each_range(off, len, &mut |buf, start, take| {
+                let at = out.len();
+                out.resize(at + take, 0);
+                buf.read(start, &mut out[at..]);
+            }),
+        }
+    }
+
     /// Calls `f(buffer, offset, len)` for the registered-memory ranges covering
     /// `[off, off+len)` of a `Memory` payload.
     fn for_each_range<'a>(
@@ -185,8 +199,7 @@ impl OutMsg {
         loop {
             let f = self.fpdu_at(off, max_seg, crc);
             out.extend_from_slice(&f.head);
-            self.payload
-                .pieces(off, f.seg, &mut |s| out.extend_from_slice(s));
+            self.payload.append_to(off, f.seg, out);
             out.extend_from_slice(&f.trailer[..f.trailer_len]);
             off += f.seg;
             if f.last {
@@ -321,9 +334,7 @@ impl TxQueue {
                     let mut all = f.head.to_vec();
                     match &f.staged {
                         Some(v) => all.extend_from_slice(v),
-                        None => m
-                            .payload
-                            .pieces(f.off, f.seg, &mut |s| all.extend_from_slice(s)),
+                        None => m.payload.append_to(f.off, f.seg, &mut all),
                     }
                     all.extend_from_slice(&f.trailer[..f.trailer_len]);
                     Some(all[*written..].to_vec())
@@ -515,7 +526,7 @@ fn push_pieces<'a>(pieces: &mut Vec<IoPiece<'a>>, m: &'a OutMsg, fpdu: &'a mut F
             let (off, seg) = (fpdu.off, fpdu.seg);
             let staged = fpdu.staged.get_or_insert_with(|| {
                 let mut v = Vec::with_capacity(seg);
-                m.payload.pieces(off, seg, &mut |s| v.extend_from_slice(s));
+                m.payload.append_to(off, seg, &mut v);
                 v
             });
             pieces.push(IoPiece::Bytes(staged));

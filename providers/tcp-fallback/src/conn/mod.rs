@@ -587,8 +587,13 @@ impl Conn {
     fn flush_tx(&self) {
         let mut tx = self.tx.lock().expect("tx poisoned");
         if tx.is_idle() {
+            // `maybe_shutdown` under the same lock: a pass comes here twice.
+            let over = tx.closed;
             drop(tx);
-            return self.maybe_shutdown();
+            if over {
+                self.shutdown();
+            }
+            return;
         }
         let done = tx.flush(&self.sock, self.max_seg, self.neg.crc);
         drop(tx);
