@@ -1481,6 +1481,26 @@ impl Inner {
         };
         // Local completion, plus the acknowledgement (sync eager) or the FIN (rendezvous).
         let waiting = 1 + u32::from(sync || hdr.kind == Kind::Rts);
+        if waiting == 1 && self.sends_now(conn) {
+            // An eager send that leaves at once (nothing queued before it, credits and
+            // send-queue room): complete when its payload is copied out, as `flush` would,
+            // without an entry in `ops`. A failure is its error completion.
+            let status = match self.send_wire(conn, hdr, payload, None) {
+                Ok(()) => RdmStatus::Success,
+                Err(e) => RdmStatus::Error(e.kind()),
+            };
+            self.done.push_back(RdmCompletion {
+                context,
+                op: kind,
+                status,
+                peer: Some(peer),
+                tag: hdr.tag,
+                len: len as u64,
+                msg_len: len as u64,
+                offset: 0,
+            });
+            return Ok(());
+        }
         let op = self.new_op(context, kind, Some(idx), hdr.tag, waiting);
         hdr.op = op;
         let o = self.ops.get_mut(&op).expect("new op");
@@ -1691,6 +1711,19 @@ impl Inner {
 
     /// Posts what the connection's credits and queue room allow: control messages first,
     /// then rendezvous reads, then data in order.
+    /// Whether a data message for `conn` would leave at once: `flush` has nothing to send
+    /// before it, and the credits and send-queue room to send it.
+    fn sends_now(&self, conn: u64) -> bool {
+        self.conns.get(&conn).is_some_and(|c| {
+            !c.quiet
+                && c.ctrl.is_empty()
+                && c.reads.is_empty()
+                && c.data.is_empty()
+                && c.credits > RESERVE
+                && c.sq_inflight < self.cfg.sq_depth
+        })
+    }
+
     fn flush(&mut self, conn: u64) {
         loop {
             let threshold = (self.cfg.recv_depth / 4).max(2);
