@@ -412,6 +412,10 @@ struct UserOp {
     conn: Option<u64>,
     /// A registered copy of a rendezvous payload whose region the peer could not read.
     staging: Option<MemoryRegion>,
+    /// A receive: the matcher it was posted to (tagged or not) and its number there, for
+    /// `cancel` (a receive that has matched is no longer in the matcher: cancel finds
+    /// nothing there).
+    posted: Option<(bool, u64)>,
 }
 
 #[derive(Debug)]
@@ -479,7 +483,6 @@ struct Inner {
     next_op: u64,
     tagged: Matcher<Posted, Unexp>,
     untagged: Matcher<Posted, Unexp>,
-    recv_seq: IdMap<(bool, u64)>,
     unexp_bytes: usize,
     claimed: IdMap<(u32, Unexp)>,
     slots: Slots,
@@ -569,7 +572,6 @@ impl RdmEndpoint {
             next_op: 1,
             tagged: Matcher::default(),
             untagged: Matcher::default(),
-            recv_seq: IdMap::default(),
             unexp_bytes: 0,
             claimed: IdMap::default(),
             slots,
@@ -777,7 +779,7 @@ impl RdmEndpoint {
     /// when it already matched a message (its completion comes as usual).
     pub fn cancel(&self, id: RecvId) -> Result<bool> {
         let mut g = lock(&self.inner);
-        let Some((tagged, seq)) = g.recv_seq.remove(&id.0) else {
+        let Some((tagged, seq)) = g.ops.get_mut(&id.0).and_then(|o| o.posted.take()) else {
             return Ok(false);
         };
         let m = if tagged {
@@ -1281,6 +1283,7 @@ impl Inner {
                 status: RdmStatus::Success,
                 conn: None,
                 staging: None,
+                posted: None,
             },
         );
         id
@@ -1306,7 +1309,6 @@ impl Inner {
 
     fn finish(&mut self, op: u64) {
         if let Some(o) = self.ops.remove(&op) {
-            self.recv_seq.remove(&op);
             let peer = o.peer.and_then(|i| self.handle(i));
             self.done.push_back(RdmCompletion {
                 context: o.context,
@@ -1574,7 +1576,7 @@ impl Inner {
             &mut self.untagged
         };
         let seq = m.post(spec, posted);
-        self.recv_seq.insert(op, (tagged, seq));
+        self.ops.get_mut(&op).expect("new").posted = Some((tagged, seq));
         Ok(RecvId(op))
     }
 
@@ -2084,7 +2086,6 @@ impl Inner {
             match multi {
                 None => {
                     let p = m.take_posted(seq).expect("found");
-                    self.recv_seq.remove(&p.op);
                     self.place(p.op, peer, conn, hdr, data, p.buf, 0);
                 }
                 Some((used, min_free)) => {
