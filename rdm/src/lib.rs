@@ -145,7 +145,8 @@ pub mod wire;
 
 /// A map keyed by ids this layer hands out itself (operations, connections, work requests,
 /// posted receives: counters, never chosen by a peer), hashed without SipHash
-/// ([`fabric::hash::IdHasher`]); the maps keyed by what a peer sends keep SipHash.
+/// ([`fabric::hash::IdHasher`]); the maps keyed by what a peer sends use a randomly seeded
+/// hash (SipHash for addresses, foldhash for the matcher's (source, tag) buckets).
 pub(crate) type IdMap<V> = fabric::hash::IdMap<u64, V>;
 
 pub use ep::{

@@ -16,7 +16,12 @@
 //! The idea follows UCX's `tag_match.h` (expected hash plus wildcard queue, unexpected
 //! hash) and libfabric's `util_srx_ctx`; the code is our own.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
+
+/// Maps keyed by what a peer chooses (its index and the message's tag): foldhash, seeded
+/// at random per map, instead of SipHash; a peer cannot aim at collisions it cannot
+/// compute.
+type PeerKeyed<V> = foldhash::HashMap<(u32, u64), V>;
 
 /// Where a receive accepts messages from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -57,11 +62,11 @@ impl Spec {
 pub struct Matcher<R, U> {
     next_seq: u64,
     posted: crate::IdMap<(Spec, R)>,
-    exp_exact: HashMap<(u32, u64), VecDeque<u64>>,
+    exp_exact: PeerKeyed<VecDeque<u64>>,
     exp_wild: BTreeMap<u64, Spec>,
     next_arrival: u64,
     unexp: BTreeMap<u64, (u32, u64, U)>,
-    unexp_exact: HashMap<(u32, u64), VecDeque<u64>>,
+    unexp_exact: PeerKeyed<VecDeque<u64>>,
 }
 
 impl<R, U> Default for Matcher<R, U> {
@@ -69,11 +74,11 @@ impl<R, U> Default for Matcher<R, U> {
         Matcher {
             next_seq: 1,
             posted: crate::IdMap::default(),
-            exp_exact: HashMap::new(),
+            exp_exact: PeerKeyed::default(),
             exp_wild: BTreeMap::new(),
             next_arrival: 1,
             unexp: BTreeMap::new(),
-            unexp_exact: HashMap::new(),
+            unexp_exact: PeerKeyed::default(),
         }
     }
 }
