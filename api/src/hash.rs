@@ -8,8 +8,9 @@ const FIB: u64 = 0x9e37_79b9_7f4a_7c15;
 /// Hashes ids this process makes itself (counters, tokens: never chosen by a peer) with one
 /// multiplication (Fibonacci hashing) instead of std's SipHash. Maps keyed by what a peer
 /// sends (tags, addresses) keep a randomly seeded hash (std's SipHash; foldhash in the RDM
-/// matcher), whose seed stops a peer from choosing keys that collide. Measured: SipHash was 3 % of the instructions of the tcp provider's 8-byte
-/// ping-pong, and the RDM layer's tagged 8 B latency fell by a tenth without it.
+/// matcher), whose seed stops a peer from choosing keys that collide. Measured: SipHash
+/// was 3 % of the instructions of the tcp provider's 8-byte ping-pong, and the RDM layer's
+/// tagged 8 B latency fell by a tenth without it.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct IdHasher(u64);
 
