@@ -418,6 +418,25 @@ struct UserOp {
     posted: Option<(bool, u64)>,
 }
 
+impl UserOp {
+    fn new(context: u64, op: RdmOp, peer: Option<u32>, tag: u64, waiting: u32) -> UserOp {
+        UserOp {
+            context,
+            op,
+            peer,
+            tag,
+            len: 0,
+            msg_len: 0,
+            offset: 0,
+            waiting,
+            status: RdmStatus::Success,
+            conn: None,
+            staging: None,
+            posted: None,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Posted {
     op: u64,
@@ -1269,23 +1288,8 @@ impl Inner {
     ) -> u64 {
         let id = self.next_op;
         self.next_op += 1;
-        self.ops.insert(
-            id,
-            UserOp {
-                context,
-                op,
-                peer,
-                tag,
-                len: 0,
-                msg_len: 0,
-                offset: 0,
-                waiting,
-                status: RdmStatus::Success,
-                conn: None,
-                staging: None,
-                posted: None,
-            },
-        );
+        self.ops
+            .insert(id, UserOp::new(context, op, peer, tag, waiting));
         id
     }
 
@@ -1309,18 +1313,23 @@ impl Inner {
 
     fn finish(&mut self, op: u64) {
         if let Some(o) = self.ops.remove(&op) {
-            let peer = o.peer.and_then(|i| self.handle(i));
-            self.done.push_back(RdmCompletion {
-                context: o.context,
-                op: o.op,
-                status: o.status,
-                peer,
-                tag: o.tag,
-                len: o.len,
-                msg_len: o.msg_len,
-                offset: o.offset,
-            });
+            self.complete(o);
         }
+    }
+
+    /// Queues the completion of a finished operation.
+    fn complete(&mut self, o: UserOp) {
+        let peer = o.peer.and_then(|i| self.handle(i));
+        self.done.push_back(RdmCompletion {
+            context: o.context,
+            op: o.op,
+            status: o.status,
+            peer,
+            tag: o.tag,
+            len: o.len,
+            msg_len: o.msg_len,
+            offset: o.offset,
+        });
     }
 
     fn per_conn(&self) -> usize {
@@ -1487,20 +1496,12 @@ impl Inner {
             // An eager send that leaves at once (nothing queued before it, credits and
             // send-queue room): complete when its payload is copied out, as `flush` would,
             // without an entry in `ops`. A failure is its error completion.
-            let status = match self.send_wire(conn, hdr, payload, None) {
-                Ok(()) => RdmStatus::Success,
-                Err(e) => RdmStatus::Error(e.kind()),
-            };
-            self.done.push_back(RdmCompletion {
-                context,
-                op: kind,
-                status,
-                peer: Some(peer),
-                tag: hdr.tag,
-                len: len as u64,
-                msg_len: len as u64,
-                offset: 0,
-            });
+            let mut o = UserOp::new(context, kind, Some(idx), hdr.tag, 0);
+            (o.len, o.msg_len) = (len as u64, len as u64);
+            if let Err(e) = self.send_wire(conn, hdr, payload, None) {
+                o.status = RdmStatus::Error(e.kind());
+            }
+            self.complete(o);
             return Ok(());
         }
         let op = self.new_op(context, kind, Some(idx), hdr.tag, waiting);
@@ -1711,8 +1712,6 @@ impl Inner {
         }
     }
 
-    /// Posts what the connection's credits and queue room allow: control messages first,
-    /// then rendezvous reads, then data in order.
     /// Whether a data message for `conn` would leave at once: `flush` has nothing to send
     /// before it, and the credits and send-queue room to send it.
     fn sends_now(&self, conn: u64) -> bool {
@@ -1726,6 +1725,8 @@ impl Inner {
         })
     }
 
+    /// Posts what the connection's credits and queue room allow: control messages first,
+    /// then rendezvous reads, then data in order.
     fn flush(&mut self, conn: u64) {
         loop {
             let threshold = (self.cfg.recv_depth / 4).max(2);

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabric::prelude::*;
-use fabric_rdm::{RdmCompletion, RdmConfig, RdmEndpoint, RecvBuf, Source};
+use fabric_rdm::{RdmCompletion, RdmConfig, RdmEndpoint, RdmOp, RdmStatus, RecvBuf, Source};
 
 fn tcp() -> Arc<AnyDomain> {
     let (d, _) = fabric::Selector::new()
@@ -110,4 +110,60 @@ fn pingpong_and_stream_deliver_and_report_their_pace() {
         rtt.as_secs_f64() * 1e6,
         n as f64 / t.as_secs_f64() / 1e6
     );
+}
+
+/// Every eager send completes with its own fields, whether it left at once (no operation
+/// entry: `Inner::send`'s direct path) or waited for credits in the connection's queue:
+/// a burst of twice the receive depth, posted before the receiver looks, takes both paths.
+#[test]
+fn eager_sends_complete_with_their_fields_on_the_direct_and_the_queued_path() {
+    let (da, db) = (tcp(), tcp());
+    let a = RdmEndpoint::new(da.clone(), RdmConfig::default()).unwrap();
+    let b = RdmEndpoint::new(db.clone(), RdmConfig::default()).unwrap();
+    let ab = a.av_insert(b.addr());
+    let ba = b.av_insert(a.addr());
+    let n = 2 * u64::from(RdmConfig::default().recv_depth);
+    let src = da.alloc(8 * n as usize, Access::LOCAL_WRITE).unwrap();
+    let sink = Arc::new(db.alloc(8 * n as usize, Access::LOCAL_WRITE).unwrap());
+    for i in 0..n {
+        let s = src.slice(8 * i as usize..8 * i as usize + 5).unwrap();
+        a.tsend(ab, 1000 + i, s, 100 + i).unwrap();
+    }
+    let (mut oa, mut ob) = (Vec::new(), Vec::new());
+    let mut sent = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut posted = 0;
+    while sent.len() < n as usize {
+        assert!(
+            Instant::now() < deadline,
+            "{} of {n} sends completed",
+            sent.len()
+        );
+        if posted < n {
+            let buf = RecvBuf::new(sink.clone(), 8 * posted as usize, 8);
+            b.trecv(Source::Peer(ba), 1000 + posted, 0, buf, posted)
+                .unwrap();
+            posted += 1;
+        }
+        b.poll(&mut ob).unwrap();
+        a.poll(&mut oa).unwrap();
+        sent.append(&mut oa);
+    }
+    sent.sort_by_key(|c| c.context);
+    for (i, c) in (0..n).zip(&sent) {
+        assert_eq!(
+            (c.context, c.op, c.status, c.peer, c.tag, c.len, c.msg_len, c.offset),
+            (
+                100 + i,
+                RdmOp::TaggedSend,
+                RdmStatus::Success,
+                Some(ab),
+                1000 + i,
+                5,
+                5,
+                0
+            ),
+            "send {i}"
+        );
+    }
 }

@@ -587,13 +587,8 @@ impl Conn {
     fn flush_tx(&self) {
         let mut tx = self.tx.lock().expect("tx poisoned");
         if tx.is_idle() {
-            // `maybe_shutdown` under the same lock: a pass comes here twice.
-            let over = tx.closed;
-            drop(tx);
-            if over {
-                self.shutdown();
-            }
-            return;
+            // Under the same lock: a pass comes here twice.
+            return self.shutdown_if_over(tx);
         }
         let done = tx.flush(&self.sock, self.max_seg, self.neg.crc);
         drop(tx);
@@ -630,7 +625,11 @@ impl Conn {
     /// Once the connection is over and its last output (a Terminate) is out, the socket
     /// shuts down.
     fn maybe_shutdown(&self) {
-        let tx = self.tx.lock().expect("tx poisoned");
+        self.shutdown_if_over(self.tx.lock().expect("tx poisoned"));
+    }
+
+    /// [`maybe_shutdown`](Self::maybe_shutdown) with the transmit queue already locked.
+    fn shutdown_if_over(&self, tx: MutexGuard<'_, TxQueue>) {
         if tx.closed && tx.is_idle() {
             drop(tx);
             self.shutdown();
