@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabric::prelude::*;
-use fabric_rdm::{RdmCompletion, RdmConfig, RdmEndpoint, RdmOp, RdmStatus, RecvBuf, Source};
+use fabric_rdm::{Peer, RdmCompletion, RdmConfig, RdmEndpoint, RdmOp, RdmStatus, RecvBuf, Source};
 
 fn tcp() -> Arc<AnyDomain> {
     let (d, _) = fabric::Selector::new()
@@ -13,6 +13,24 @@ fn tcp() -> Arc<AnyDomain> {
         .and_then(|s| s.open())
         .expect("tcp domain");
     Arc::new(d)
+}
+
+/// Two RDM endpoints on tcp (domains `da`, `db`; endpoints `a`, `b`), each with the
+/// other in its address vector (`ab`: b as a names it; `ba`: a as b names it).
+fn two() -> (
+    Arc<AnyDomain>,
+    Arc<AnyDomain>,
+    RdmEndpoint,
+    RdmEndpoint,
+    Peer,
+    Peer,
+) {
+    let (da, db) = (tcp(), tcp());
+    let a = RdmEndpoint::new(da.clone(), RdmConfig::default()).unwrap();
+    let b = RdmEndpoint::new(db.clone(), RdmConfig::default()).unwrap();
+    let ab = a.av_insert(b.addr());
+    let ba = b.av_insert(a.addr());
+    (da, db, a, b, ab, ba)
 }
 
 fn until(
@@ -36,11 +54,7 @@ fn until(
 
 #[test]
 fn pingpong_and_stream_deliver_and_report_their_pace() {
-    let (da, db) = (tcp(), tcp());
-    let a = RdmEndpoint::new(da.clone(), RdmConfig::default()).unwrap();
-    let b = RdmEndpoint::new(db.clone(), RdmConfig::default()).unwrap();
-    let ab = a.av_insert(b.addr());
-    let ba = b.av_insert(a.addr());
+    let (da, db, a, b, ab, ba) = two();
     let sa = da.alloc(8, Access::LOCAL_WRITE).unwrap();
     let sb = db.alloc(8, Access::LOCAL_WRITE).unwrap();
     let ra = Arc::new(da.alloc(8, Access::LOCAL_WRITE).unwrap());
@@ -117,11 +131,7 @@ fn pingpong_and_stream_deliver_and_report_their_pace() {
 /// a burst of twice the receive depth, posted before the receiver looks, takes both paths.
 #[test]
 fn eager_sends_complete_with_their_fields_on_the_direct_and_the_queued_path() {
-    let (da, db) = (tcp(), tcp());
-    let a = RdmEndpoint::new(da.clone(), RdmConfig::default()).unwrap();
-    let b = RdmEndpoint::new(db.clone(), RdmConfig::default()).unwrap();
-    let ab = a.av_insert(b.addr());
-    let ba = b.av_insert(a.addr());
+    let (da, db, a, b, ab, ba) = two();
     let n = 2 * u64::from(RdmConfig::default().recv_depth);
     let src = da.alloc(8 * n as usize, Access::LOCAL_WRITE).unwrap();
     let sink = Arc::new(db.alloc(8 * n as usize, Access::LOCAL_WRITE).unwrap());
