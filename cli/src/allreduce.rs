@@ -131,6 +131,11 @@ pub struct CollArgs {
     /// (CommConfig::small_max; K, M: powers of 1024).
     #[arg(long)]
     small_max: Option<String>,
+    /// Largest allreduce payload that takes recursive halving and doubling instead of the
+    /// write ring on a power-of-two group (CommConfig::halving_max; K, M: powers of 1024;
+    /// 0: never).
+    #[arg(long)]
+    halving_max: Option<String>,
 }
 
 /// The large allreduce's ring.
@@ -355,6 +360,9 @@ fn rank_main(
     }
     if let Some(s) = &a.small_max {
         cfg.small_max = parse_size(s)?;
+    }
+    if let Some(s) = &a.halving_max {
+        cfg.halving_max = parse_size(s)?;
     }
     let mut comm = Comm::new(domain.clone(), ep, rank, &names, cfg).map_err(e)?;
     if coll == Coll::Broadcast && a.root >= n {

@@ -10,6 +10,8 @@ use fabric_rdm::{Peer, RdmCompletion, RdmEndpoint, RecvBuf, Source};
 
 use crate::reduce::{from_bytes, reduce, to_bytes, DataType, Element, ReduceOp};
 
+mod halving;
+
 /// Tags of collectives: this bit, the call's sequence number, the step.
 const TAG_BIT: u64 = 1 << 63;
 const SEND_CTX: u64 = 0;
@@ -69,8 +71,14 @@ pub struct CommConfig {
     pub write_ring: bool,
     /// Segment of the write ring, in bytes (at least 1/256 of a block).
     pub write_segment: usize,
-    /// Writes the write ring keeps in flight to the next rank.
+    /// Writes the write ring keeps in flight to the next rank (and halving and doubling
+    /// to its partner).
     pub write_window: usize,
+    /// Allreduce payloads above [`CommConfig::small_max`] and up to this many bytes, on a
+    /// power-of-two group, take recursive halving and doubling (Rabenseifner's algorithm:
+    /// `2 log2(n)` pairwise steps, RDMA-written as the write ring's) instead of the write
+    /// ring's `2(n-1)` steps, when the write ring would serve them. Zero: never.
+    pub halving_max: usize,
     /// Transfers up to this many bytes (and [`CommConfig::small_max`]) go as eager
     /// messages of at most the endpoint's `RdmConfig::eager_max` each, all in flight at
     /// once; larger ones as one message per [`CommConfig::segment`], a rendezvous above the
@@ -100,6 +108,7 @@ impl Default for CommConfig {
             write_ring: true,
             write_segment: 1 << 20,
             write_window: 48,
+            halving_max: 4 << 20,
             eager_pieces_max: 32 << 10,
             gather_max: 256,
         }
@@ -123,6 +132,8 @@ pub struct Comm {
     polled: Vec<RdmCompletion>,
     /// The write ring's buffers (made on the first large allreduce).
     ring: Option<WriteRing>,
+    /// Halving and doubling's buffers (made on the first allreduce that takes it).
+    halving: Option<halving::Halving>,
     /// The endpoint's eager size.
     eager_max: usize,
     /// What [`Comm::finish`] reads a received segment into (kept to reuse its
@@ -160,6 +171,8 @@ enum Algo {
     Doubling,
     /// [`Comm::write_ring`].
     WriteRing,
+    /// Recursive halving and doubling over RDMA Write (the `halving` module).
+    Halving,
     /// The ring of tagged messages.
     TaggedRing,
 }
@@ -215,6 +228,7 @@ impl Comm {
             ready: VecDeque::new(),
             polled: Vec::new(),
             ring: None,
+            halving: None,
             eager_max,
             seg_buf: Vec::new(),
             gather_buf: (Vec::new(), Vec::new()),
@@ -601,10 +615,11 @@ impl Comm {
             Algo::Gather
         } else if len <= self.cfg.small_max || count < n {
             Algo::Doubling
-        } else if self.cfg.write_ring
-            && n <= MAX_WRITE_RING
-            && self.domain.info().caps.ops.contains(OpSet::WRITE)
-        {
+        } else if !self.cfg.write_ring || !self.domain.info().caps.ops.contains(OpSet::WRITE) {
+            Algo::TaggedRing
+        } else if len <= self.cfg.halving_max && n.is_power_of_two() && n <= halving::MAX_RANKS {
+            Algo::Halving
+        } else if n <= MAX_WRITE_RING {
             Algo::WriteRing
         } else {
             Algo::TaggedRing
@@ -627,6 +642,10 @@ impl Comm {
             Algo::WriteRing => {
                 let bounds = self.bounds(count, dtype.size());
                 self.write_ring(RingData::Copied(data), &bounds, dtype, op)
+            }
+            Algo::Halving => {
+                let bounds = self.bounds(count, dtype.size());
+                self.halving_copied(data, &bounds, dtype, op)
             }
             Algo::TaggedRing => {
                 let bounds = self.bounds(count, dtype.size());
@@ -711,6 +730,10 @@ impl Comm {
                 (self.region_told, self.next_region) = (None, None);
             }
             return res;
+        }
+        if algo == Algo::Halving {
+            let bounds = self.bounds(len / dtype.size(), dtype.size());
+            return self.halving_in_place(data, &bounds, dtype, op);
         }
         let mut tmp = std::mem::take(&mut self.region_tmp);
         tmp.resize(len, 0);
@@ -1307,7 +1330,8 @@ mod tests {
     }
 
     /// The algorithm depends on the length, the group and the configuration only; an
-    /// in-place allreduce takes the write ring exactly where a slice's does.
+    /// in-place allreduce takes the write ring (or halving and doubling) exactly where a
+    /// slice's does.
     #[test]
     fn algorithm_by_length() {
         let eps: Vec<_> = (0..4).map(|_| open()).collect();
@@ -1319,7 +1343,12 @@ mod tests {
         assert_eq!(c.algo(8, DataType::F32), Algo::Gather);
         assert_eq!(c.algo(cfg.gather_max + 8, DataType::F64), Algo::Doubling);
         assert_eq!(c.algo(cfg.small_max, DataType::F32), Algo::Doubling);
+        assert_eq!(c.algo(cfg.small_max + 4, DataType::F32), Algo::Halving);
+        assert_eq!(c.algo(cfg.halving_max, DataType::F32), Algo::Halving);
+        assert_eq!(c.algo(cfg.halving_max + 4, DataType::F32), Algo::WriteRing);
+        c.cfg.halving_max = 0;
         assert_eq!(c.algo(cfg.small_max + 4, DataType::F32), Algo::WriteRing);
+        c.cfg.halving_max = cfg.halving_max;
         c.cfg.write_ring = false;
         assert_eq!(c.algo(cfg.small_max + 4, DataType::F32), Algo::TaggedRing);
     }

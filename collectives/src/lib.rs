@@ -4,10 +4,13 @@
 //! * Allreduce: up to [`CommConfig::gather_max`] bytes on a power-of-two group, every
 //!   rank's data gathered by recursive doubling and folded in rank order; up to
 //!   [`CommConfig::small_max`] bytes recursive doubling (a group that is not a power of two
-//!   first folds its extra ranks into their neighbours); else a ring (reduce-scatter, then
-//!   allgather), RDMA-written segment by segment when the provider has RDMA Write.
+//!   first folds its extra ranks into their neighbours); else, when the provider has RDMA
+//!   Write, recursive halving and doubling up to [`CommConfig::halving_max`] bytes on a
+//!   power-of-two group and a ring (reduce-scatter, then allgather) above it or on other
+//!   groups, both RDMA-written segment by segment; without RDMA Write a ring of tagged
+//!   messages.
 //! * Allreduce on memory the caller registered ([`Comm::allreduce_region`],
-//!   [`Comm::allreduce_region_bytes`]): the write ring sends from, reduces into and gathers
+//!   [`Comm::allreduce_region_bytes`]): the large paths send from, reduce into and gather
 //!   into the caller's region itself, with no copy in or out (the small paths copy); the
 //!   same bits as [`Comm::allreduce`] on the same values.
 //! * Allgather: recursive doubling for small payloads on power-of-two groups, else a ring.
@@ -19,6 +22,8 @@
 //!
 //! **Bit-identical results.** Every element's reduction is computed in one fixed order and
 //! then copied: in the ring each block is reduced once along the ring and then gathered;
+//! in halving and doubling each block is reduced on its own rank in a fixed pairwise tree
+//! and then gathered;
 //! in recursive doubling both ranks of a pair compute `lower op higher` on the same bits;
 //! a gathered small payload is folded in rank order everywhere.
 //! So every rank holds exactly the same bits, floating point included (the order depends

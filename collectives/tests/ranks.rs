@@ -113,6 +113,7 @@ fn write_ring_matches_the_tagged_ring_bit_for_bit() {
                     write_ring,
                     write_segment: 4096,
                     write_window: 3,
+                    halving_max: 0,
                     ..CommConfig::default()
                 };
                 run_with(n, cfg, move |c| {
@@ -143,6 +144,61 @@ fn write_ring_matches_the_tagged_ring_bit_for_bit() {
         for (i, x) in got.iter().enumerate() {
             let want = (0..n).map(|r| value(r, i)).max().unwrap();
             assert_eq!(*x as i64, want, "n {n} max [{i}]");
+        }
+    }
+}
+
+/// Halving and doubling (blocks of uneven length, several segments per level, a small
+/// window, buffers that grow between calls, calls back to back) gives every rank exactly the
+/// bits of its fixed tree: pairs at distance `n/2` first and `1` last, the lower rank's
+/// operand first.
+#[test]
+fn halving_doubling_is_its_pairwise_tree_bit_for_bit() {
+    let floats = |rank: usize, count: usize, call: usize| -> Vec<f32> {
+        (0..count)
+            .map(|i| ((rank + 1) as f32).powi(7) * 1.000_1f32.powi((i + call) as i32 % 50) / 3.0)
+            .collect()
+    };
+    for n in [2usize, 4, 8] {
+        let counts = [20_000usize, 20_003, 100_001, 70_000];
+        let cfg = CommConfig {
+            write_segment: 4096,
+            write_window: 3,
+            halving_max: usize::MAX,
+            ..CommConfig::default()
+        };
+        let out = run_with(n, cfg, move |c| {
+            let mut out = Vec::new();
+            for (call, &count) in counts.iter().enumerate() {
+                for rep in 0..2 {
+                    let mut f = floats(c.rank(), count, call + rep);
+                    c.allreduce(&mut f, ReduceOp::Sum).unwrap();
+                    out.push(f.iter().map(|x| x.to_bits()).collect::<Vec<u32>>());
+                }
+            }
+            out
+        });
+        let mut k = 0;
+        for (call, &count) in counts.iter().enumerate() {
+            for rep in 0..2 {
+                let inputs: Vec<Vec<f32>> = (0..n).map(|r| floats(r, count, call + rep)).collect();
+                for i in 0..count {
+                    let mut v: Vec<f32> = inputs.iter().map(|x| x[i]).collect();
+                    let mut d = n / 2;
+                    while d > 0 {
+                        v = (0..n).map(|r| v[r & !d] + v[r | d]).collect();
+                        d /= 2;
+                    }
+                    for (r, rank) in out.iter().enumerate() {
+                        assert_eq!(
+                            rank[k][i],
+                            v[0].to_bits(),
+                            "n {n} count {count} call {call}.{rep} rank {r} [{i}]"
+                        );
+                    }
+                }
+                k += 1;
+            }
         }
     }
 }

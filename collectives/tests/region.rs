@@ -189,53 +189,57 @@ fn regions_reused_and_changed_across_calls() {
 }
 
 /// A region without remote write access is refused on every rank before anything is sent
-/// (the communicator goes on working); a rank whose length differs from the next rank's is
-/// named by that rank's previous rank, which fails with `Protocol` (the others wait for
-/// notifications that never come and fail at the step timeout).
+/// (the communicator goes on working); a rank whose length differs from the others' is named
+/// by a rank that hears its descriptor first, which fails with `Protocol` (the others wait
+/// for notifications that never come and fail at the step timeout). With 3 ranks (the
+/// write ring) that is rank 2, the previous rank of rank 0; with 4 (halving and doubling)
+/// also rank 2, rank 0's partner at the first level.
 #[test]
 fn bad_regions_are_refused() {
-    let cfg = CommConfig {
-        timeout: Duration::from_secs(3),
-        ..small_cfg()
-    };
-    // Every rank stays until all have returned: a rank that fails first and drops its
-    // endpoint would fail the others' operations to it (disconnected) before they find the
-    // mismatch themselves.
-    let all_returned = Arc::new(std::sync::Barrier::new(3));
-    let out = run_with(3, cfg, move |c, d| {
-        let local = d.alloc(40_000, Access::LOCAL_WRITE).expect("register");
-        let refused = c
-            .allreduce_region::<f32>(&local, 10_000, ReduceOp::Sum)
-            .unwrap_err();
-        // Still usable: the refusal sent nothing.
-        let region = d.alloc(40_004, RW).expect("register");
-        let data = input(DataType::I32, c.rank(), 10_000, 0);
-        let mut slice = data.clone();
-        c.allreduce_bytes(&mut slice, DataType::I32, ReduceOp::Max)
-            .unwrap();
-        let ok = region_allreduce(c, &region, &data, DataType::I32, ReduceOp::Max) == slice;
-        // Rank 0 passes one element more than the others.
-        let count = 10_000 + usize::from(c.rank() == 0);
-        let mismatched = c.allreduce_region::<i32>(&region, count, ReduceOp::Max);
-        all_returned.wait();
-        (refused, ok, mismatched.err())
-    });
-    for (r, (refused, ok, mismatched)) in out.iter().enumerate() {
-        assert_eq!(
-            refused.kind(),
-            ErrorKind::LocalProtection,
-            "rank {r}: {refused}"
-        );
-        assert!(refused.message().contains("REMOTE_WRITE"), "{refused}");
-        assert!(ok, "rank {r}: the call after a refusal");
-        let e = mismatched
-            .as_ref()
-            .expect("a mismatched call fails everywhere");
-        if r == 2 {
-            // Rank 2 is before rank 0 (40 004 bytes). (Rank 0, before rank 1, finds the
-            // mismatch too unless rank 2 stopped before passing rank 1's descriptor on.)
-            assert_eq!(e.kind(), ErrorKind::Protocol, "rank {r}: {e}");
-            assert!(e.message().contains("same length"), "rank {r}: {e}");
+    for n in [3usize, 4] {
+        let cfg = CommConfig {
+            timeout: Duration::from_secs(3),
+            ..small_cfg()
+        };
+        // Every rank stays until all have returned: a rank that fails first and drops its
+        // endpoint would fail the others' operations to it (disconnected) before they find
+        // the mismatch themselves.
+        let all_returned = Arc::new(std::sync::Barrier::new(n));
+        let out = run_with(n, cfg, move |c, d| {
+            let local = d.alloc(40_000, Access::LOCAL_WRITE).expect("register");
+            let refused = c
+                .allreduce_region::<f32>(&local, 10_000, ReduceOp::Sum)
+                .unwrap_err();
+            // Still usable: the refusal sent nothing.
+            let region = d.alloc(40_004, RW).expect("register");
+            let data = input(DataType::I32, c.rank(), 10_000, 0);
+            let mut slice = data.clone();
+            c.allreduce_bytes(&mut slice, DataType::I32, ReduceOp::Max)
+                .unwrap();
+            let ok = region_allreduce(c, &region, &data, DataType::I32, ReduceOp::Max) == slice;
+            // Rank 0 passes one element more than the others.
+            let count = 10_000 + usize::from(c.rank() == 0);
+            let mismatched = c.allreduce_region::<i32>(&region, count, ReduceOp::Max);
+            all_returned.wait();
+            (refused, ok, mismatched.err())
+        });
+        for (r, (refused, ok, mismatched)) in out.iter().enumerate() {
+            assert_eq!(
+                refused.kind(),
+                ErrorKind::LocalProtection,
+                "n {n} rank {r}: {refused}"
+            );
+            assert!(refused.message().contains("REMOTE_WRITE"), "{refused}");
+            assert!(ok, "n {n} rank {r}: the call after a refusal");
+            let e = mismatched
+                .as_ref()
+                .expect("a mismatched call fails everywhere");
+            if r == 2 {
+                // (Others may find the mismatch too, unless a rank stopped before it
+                // passed the descriptor on or wrote its half.)
+                assert_eq!(e.kind(), ErrorKind::Protocol, "n {n} rank {r}: {e}");
+                assert!(e.message().contains("same length"), "n {n} rank {r}: {e}");
+            }
         }
     }
 }
