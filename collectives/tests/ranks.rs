@@ -25,6 +25,14 @@ fn value(rank: usize, i: usize) -> i64 {
     ((rank * 7 + i * 13) % 23) as i64 - 11
 }
 
+/// `count` floats of rank `rank` in call `call`, whose sums round differently in different
+/// orders.
+fn floats(rank: usize, count: usize, call: usize) -> Vec<f32> {
+    (0..count)
+        .map(|i| ((rank + 1) as f32).powi(7) * 1.000_1f32.powi((i + call) as i32 % 50) / 3.0)
+        .collect()
+}
+
 #[test]
 fn allreduce_every_type_and_op_small_and_large() {
     for n in [3usize, 4] {
@@ -78,10 +86,7 @@ fn float_results_are_bit_identical_on_every_rank() {
         let out = run(n, |c| {
             let mut v = Vec::new();
             for count in [7usize, 100_000] {
-                // Values whose sums round differently in different orders.
-                let mut f: Vec<f32> = (0..count)
-                    .map(|i| ((c.rank() + 1) as f32).powi(7) * 1.000_1f32.powi(i as i32 % 50) / 3.0)
-                    .collect();
+                let mut f = floats(c.rank(), count, 0);
                 c.allreduce(&mut f, ReduceOp::Sum).unwrap();
                 v.push(f.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
             }
@@ -98,11 +103,6 @@ fn float_results_are_bit_identical_on_every_rank() {
 /// messages, on every rank.
 #[test]
 fn write_ring_matches_the_tagged_ring_bit_for_bit() {
-    let floats = |rank: usize, count: usize, call: usize| -> Vec<f32> {
-        (0..count)
-            .map(|i| ((rank + 1) as f32).powi(7) * 1.000_1f32.powi((i + call) as i32 % 50) / 3.0)
-            .collect()
-    };
     for n in [2usize, 3, 4, 5] {
         let counts = [20_000usize, 20_003, 100_001, 70_000];
         let results: Vec<Vec<Vec<Vec<u32>>>> = [false, true]
@@ -154,11 +154,6 @@ fn write_ring_matches_the_tagged_ring_bit_for_bit() {
 /// operand first.
 #[test]
 fn halving_doubling_is_its_pairwise_tree_bit_for_bit() {
-    let floats = |rank: usize, count: usize, call: usize| -> Vec<f32> {
-        (0..count)
-            .map(|i| ((rank + 1) as f32).powi(7) * 1.000_1f32.powi((i + call) as i32 % 50) / 3.0)
-            .collect()
-    };
     for n in [2usize, 4, 8] {
         let counts = [20_000usize, 20_003, 100_001, 70_000];
         let cfg = CommConfig {
@@ -318,11 +313,6 @@ fn segmented_reductions_on_odd_groups_and_counts() {
 /// payloads) and for a payload just over the threshold (recursive doubling).
 #[test]
 fn gathered_small_allreduce_is_the_rank_order_fold_in_every_call() {
-    let floats = |rank: usize, count: usize| -> Vec<f32> {
-        (0..count)
-            .map(|i| ((rank + 1) as f32).powi(7) * 1.000_1f32.powi(i as i32 % 50) / 3.0)
-            .collect()
-    };
     for n in [2usize, 4, 8] {
         for segment in [8usize, 8192] {
             let cfg = CommConfig {
@@ -337,7 +327,7 @@ fn gathered_small_allreduce_is_the_rank_order_fold_in_every_call() {
                 for &count in &counts {
                     // Three calls in a row: both orders of the rounds, then the first again.
                     for _ in 0..3 {
-                        let mut f = floats(c.rank(), count);
+                        let mut f = floats(c.rank(), count, 0);
                         c.allreduce(&mut f, ReduceOp::Sum).unwrap();
                         let mut u: Vec<u8> = (0..count).map(|i| value(c.rank(), i) as u8).collect();
                         c.allreduce(&mut u, ReduceOp::Max).unwrap();
@@ -352,9 +342,9 @@ fn gathered_small_allreduce_is_the_rank_order_fold_in_every_call() {
             for (k, &count) in counts.iter().flat_map(|c| [c; 3]).enumerate() {
                 let want: Vec<u32> = (0..count)
                     .map(|i| {
-                        let mut acc = floats(0, count)[i];
+                        let mut acc = floats(0, count, 0)[i];
                         for r in 1..n {
-                            acc += floats(r, count)[i];
+                            acc += floats(r, count, 0)[i];
                         }
                         acc.to_bits()
                     })
