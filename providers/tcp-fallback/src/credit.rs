@@ -69,6 +69,12 @@ impl LocalArea {
         self.buf.read_pod::<u64>(area::POSTED)
     }
 
+    /// The peer marked a graceful close here ([`area::CLOSED`]): the iwarp provider writes
+    /// the mark before it disconnects, so an end without it was not a close.
+    pub fn peer_closed(&self) -> bool {
+        self.buf.read_pod::<u64>(area::CLOSED) != 0
+    }
+
     /// Where our delivery reads land: the area's scratch word (they read the peer's
     /// posted-receive count, only for the ordering of the response).
     pub fn scratch(&self) -> (Arc<Buffer>, usize, usize) {

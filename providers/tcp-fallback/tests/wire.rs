@@ -1425,3 +1425,64 @@ fn initiator_names_its_emulation_area_and_speaks_the_emulation() {
     assert_eq!(c.status, Status::Error(ErrorKind::RemoteAccess));
     wait_state(&ep, EndpointState::Error);
 }
+
+/// A peer on this framework's iwarp provider whose connection ends without its close mark
+/// while a write is unfinished most likely refused that write: its device may reset the
+/// connection before its Terminate leaves (siw; `fault.deregister_while_peer_writes` in the
+/// mixed pairs caught it). The write fails `RemoteAccess` and the endpoint fails. With the
+/// mark written first, the same end is a close: the write is flushed, the peer closed.
+#[test]
+fn an_end_without_the_close_mark_is_taken_as_a_refusal() {
+    use fabric_api::pdata;
+    for marked in [false, true] {
+        let (srv, ep, mut raw, setup, _peer) = accepted_from_an_iwarp_provider_peer(b"app");
+        let (_, ours) = pdata::unframe(&setup.user, true).unwrap();
+        let ours = ours.expect("a credit area in the reply's frame");
+        // The initiator speaks first (its credit update); then the connection runs.
+        raw.write_all(&tagged_write(
+            ours.stag,
+            ours.addr + pdata::area::POSTED as u64,
+            &0u64.to_ne_bytes(),
+        ))
+        .unwrap();
+        let src = srv
+            .domain
+            .register(Arc::new(Buffer::new(64)), Access::empty())
+            .unwrap();
+        let remote = fabric_api::RemoteAddr {
+            addr: 0x1000,
+            key: 0x11,
+        };
+        ep.post_send(&SendWr::write(1, &[src.all()], remote))
+            .unwrap();
+        // Everything the endpoint sends (the write, its delivery read, a credit update) is
+        // read, so that the end below is a FIN, never a reset over unread bytes.
+        raw.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        let mut sink = [0u8; 4096];
+        while matches!(raw.read(&mut sink), Ok(n) if n > 0) {}
+        if marked {
+            raw.write_all(&tagged_write(
+                ours.stag,
+                ours.addr + pdata::area::CLOSED as u64,
+                &1u64.to_ne_bytes(),
+            ))
+            .unwrap();
+        }
+        drop(raw);
+        let mut out = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while out.is_empty() && Instant::now() < deadline {
+            srv.cq.wait(Duration::from_millis(100)).unwrap();
+            srv.cq.poll(&mut out, 8).unwrap();
+        }
+        let want = if marked {
+            (ErrorKind::Flushed, EndpointState::Disconnected)
+        } else {
+            (ErrorKind::RemoteAccess, EndpointState::Error)
+        };
+        let got: Vec<_> = out.iter().map(|c| (c.context, c.status)).collect();
+        assert_eq!(got, [(1, Status::Error(want.0))], "marked {marked}");
+        wait_state(&ep, want.1);
+    }
+}

@@ -205,6 +205,15 @@ fn complete_fpdu(b: &[u8]) -> Result<Option<(usize, usize, usize)>, RxEnd> {
     Ok((b.len() >= total).then_some((total, ulpdu, hdr_len)))
 }
 
+/// The error a peer's Terminate most likely carried for a request of `op` (a Send: no
+/// fitting receive; anything else: a key or range the peer refused).
+fn terminate_kind(op: Opcode) -> ErrorKind {
+    match op {
+        Opcode::Send => ErrorKind::RemoteInvalidRequest,
+        _ => ErrorKind::RemoteAccess,
+    }
+}
+
 impl Conn {
     /// Reads and handles until the socket would block, the machine waits for room, or the
     /// connection ends (then the endpoint fails or disconnects, as the end says). With
@@ -556,7 +565,7 @@ impl Conn {
                 self.close_tx(false);
             }
             RxEnd::Eof | RxEnd::Io(_) | RxEnd::Local => {
-                let head = match &end {
+                let mut head = match &end {
                     RxEnd::Io(e) if e.kind() == io::ErrorKind::TimedOut => Some((
                         ErrorKind::RetryExceeded,
                         e.raw_os_error().map(ProviderCode::Errno),
@@ -564,17 +573,45 @@ impl Conn {
                     _ => None,
                 };
                 tracing::debug!(peer = %self.peer, "connection ended: {end:?}");
+                // A peer on this framework's iwarp provider marks a graceful close in our
+                // area before it disconnects. Its device may refuse a request with a
+                // Terminate and reset the connection before the Terminate leaves (siw, seen
+                // in about 1 of 20 runs of `fault.deregister_while_peer_writes`): an end
+                // without the mark while a request is unfinished is most likely that
+                // request refused, as the iwarp provider infers in the other direction.
+                let inferred = match (&end, &self.neg.area) {
+                    (RxEnd::Eof | RxEnd::Io(_), Some(area))
+                        if head.is_none()
+                            && self.neg.peer_area.is_some()
+                            && !area.peer_closed() =>
+                    {
+                        self.drain_sq(&mut st);
+                        st.sq.iter().find(|p| p.error.is_none()).map(|p| p.opcode)
+                    }
+                    _ => None,
+                };
+                if let Some(op) = inferred {
+                    head = Some((terminate_kind(op), None));
+                }
                 // A dead peer (RetryExceeded) is an error completion: the endpoint is in
                 // the error state (docs/contract.md section 6); an ended stream is a disconnect.
-                let event = match head {
-                    Some((kind, code)) => {
+                let event = match (head, inferred) {
+                    (Some((kind, _)), Some(op)) => EndpointEvent::Failed(Error::new(
+                        kind,
+                        format!(
+                            "the connection ended ({end:?}) without the peer's close mark while \
+                             a {op:?} was outstanding: the peer most likely refused it ({kind}; \
+                             its device does not always send the Terminate)"
+                        ),
+                    )),
+                    (Some((kind, code)), None) => {
                         let err = Error::new(kind, format!("the peer stopped answering: {end:?}"));
                         EndpointEvent::Failed(match code {
                             Some(c) => err.with_code(c),
                             None => err,
                         })
                     }
-                    None => EndpointEvent::PeerClosed,
+                    (None, _) => EndpointEvent::PeerClosed,
                 };
                 self.enter_error(&mut st, head, event);
                 drop(st);
