@@ -142,6 +142,32 @@ fn wait_state(ep: &TcpEndpoint, want: EndpointState) {
     }
 }
 
+/// A 64-byte write source registered in `srv`'s domain (no access rights: it is only
+/// read locally), and a remote address that the raw peer never checks.
+fn write_source(srv: &Server) -> (fabric_api::MemoryRegion, fabric_api::RemoteAddr) {
+    let src = srv
+        .domain
+        .register(Arc::new(Buffer::new(64)), Access::empty())
+        .unwrap();
+    let remote = fabric_api::RemoteAddr {
+        addr: 0x1000,
+        key: 0x11,
+    };
+    (src, remote)
+}
+
+/// Waits up to 5 s for `n` completions on `cq`; returns their contexts and statuses (what
+/// came, if fewer).
+fn statuses(cq: &TcpCq, n: usize) -> Vec<(u64, Status)> {
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while out.len() < n && Instant::now() < deadline {
+        cq.wait(Duration::from_millis(100)).unwrap();
+        cq.poll(&mut out, 8).unwrap();
+    }
+    out.iter().map(|c| (c.context, c.status)).collect()
+}
+
 #[test]
 fn foreign_peer_gets_base_rdmap_and_no_extensions() {
     let srv = server(TcpOptions::default());
@@ -490,14 +516,7 @@ fn foreign_terminate_naming_a_write_spares_the_writes_before_it() {
     // an earlier good write: the Terminate names the bad write, so the earlier one was
     // placed and succeeds.
     let (srv, ep, mut raw) = connected_raw(false);
-    let src = srv
-        .domain
-        .register(Arc::new(Buffer::new(64)), Access::empty())
-        .unwrap();
-    let good = fabric_api::RemoteAddr {
-        addr: 0x1000,
-        key: 0x11,
-    };
+    let (src, good) = write_source(&srv);
     let bad = fabric_api::RemoteAddr {
         addr: 0x2000,
         key: 0x22,
@@ -525,13 +544,7 @@ fn foreign_terminate_naming_a_write_spares_the_writes_before_it() {
         false,
     ))
     .unwrap();
-    let mut out = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while out.len() < 4 && Instant::now() < deadline {
-        srv.cq.wait(Duration::from_millis(100)).unwrap();
-        srv.cq.poll(&mut out, 8).unwrap();
-    }
-    let got: Vec<_> = out.iter().map(|c| (c.context, c.status)).collect();
+    let got = statuses(&srv.cq, 4);
     assert_eq!(
         got,
         [
@@ -547,14 +560,7 @@ fn foreign_terminate_naming_a_write_spares_the_writes_before_it() {
 #[test]
 fn terminate_without_a_copied_header_blames_the_oldest_request() {
     let (srv, ep, mut raw) = connected_raw(false);
-    let src = srv
-        .domain
-        .register(Arc::new(Buffer::new(64)), Access::empty())
-        .unwrap();
-    let remote = fabric_api::RemoteAddr {
-        addr: 0x1000,
-        key: 0x11,
-    };
+    let (src, remote) = write_source(&srv);
     ep.post_send(&SendWr::write(1, &[src.all()], remote))
         .unwrap();
     ep.post_send(&SendWr::write(2, &[src.all()], remote))
@@ -575,13 +581,7 @@ fn terminate_without_a_copied_header_blames_the_oldest_request() {
         false,
     ))
     .unwrap();
-    let mut out = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while out.len() < 2 && Instant::now() < deadline {
-        srv.cq.wait(Duration::from_millis(100)).unwrap();
-        srv.cq.poll(&mut out, 8).unwrap();
-    }
-    let got: Vec<_> = out.iter().map(|c| (c.context, c.status)).collect();
+    let got = statuses(&srv.cq, 2);
     assert_eq!(
         got,
         [
@@ -1445,14 +1445,7 @@ fn an_end_without_the_close_mark_is_taken_as_a_refusal() {
             &0u64.to_ne_bytes(),
         ))
         .unwrap();
-        let src = srv
-            .domain
-            .register(Arc::new(Buffer::new(64)), Access::empty())
-            .unwrap();
-        let remote = fabric_api::RemoteAddr {
-            addr: 0x1000,
-            key: 0x11,
-        };
+        let (src, remote) = write_source(&srv);
         ep.post_send(&SendWr::write(1, &[src.all()], remote))
             .unwrap();
         // Everything the endpoint sends (the write, its delivery read, a credit update) is
@@ -1470,18 +1463,12 @@ fn an_end_without_the_close_mark_is_taken_as_a_refusal() {
             .unwrap();
         }
         drop(raw);
-        let mut out = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while out.is_empty() && Instant::now() < deadline {
-            srv.cq.wait(Duration::from_millis(100)).unwrap();
-            srv.cq.poll(&mut out, 8).unwrap();
-        }
         let want = if marked {
             (ErrorKind::Flushed, EndpointState::Disconnected)
         } else {
             (ErrorKind::RemoteAccess, EndpointState::Error)
         };
-        let got: Vec<_> = out.iter().map(|c| (c.context, c.status)).collect();
+        let got = statuses(&srv.cq, 1);
         assert_eq!(got, [(1, Status::Error(want.0))], "marked {marked}");
         wait_state(&ep, want.1);
     }
