@@ -78,6 +78,18 @@ impl AreaDesc {
     }
 }
 
+/// The error a peer's Terminate most likely carried for a request of `op`, when the
+/// connection died without the peer's close mark ([`area::CLOSED`]) and the device did not
+/// say why (siw reports a Terminate only as a dead connection, and may reset before the
+/// Terminate leaves): a send found no fitting receive; anything else named a key or range
+/// the peer refused. Both providers infer it the same way, each for the other direction.
+pub fn inferred_refusal(op: crate::Opcode) -> ErrorKind {
+    match op {
+        crate::Opcode::Send => ErrorKind::RemoteInvalidRequest,
+        _ => ErrorKind::RemoteAccess,
+    }
+}
+
 /// Wraps the application's private data (at most 255 bytes; callers check limits).
 pub fn frame(app: &[u8], area: Option<AreaDesc>) -> Vec<u8> {
     debug_assert!(app.len() <= usize::from(u8::MAX));

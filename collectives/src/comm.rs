@@ -1089,28 +1089,30 @@ impl Comm {
                 // received once in the reduce-scatter, so the input is still ours there;
                 // copied, only our own block, final after stage n-2, goes back into it.
                 let last = t == n - 2;
-                let mut at = range.start;
-                while at < range.end {
-                    let end = (at + REDUCE_CHUNK).min(range.end);
-                    let tmp = &mut chunk[..end - at];
-                    land.buffer().read(at, tmp);
-                    match &mut data {
-                        RingData::Copied(d) => {
+                match &mut data {
+                    RingData::Copied(d) => {
+                        let mut at = range.start;
+                        while at < range.end {
+                            let end = (at + REDUCE_CHUNK).min(range.end);
+                            let tmp = &mut chunk[..end - at];
+                            land.buffer().read(at, tmp);
                             reduce(dtype, op, tmp, &d[at..end], false);
                             work.as_ref().expect("made").buffer().write(at, tmp);
                             if last {
                                 d[at..end].copy_from_slice(tmp);
                             }
-                        }
-                        RingData::InPlace(s) => {
-                            let buf = s.region().buffer();
-                            let ours = &mut mine[..end - at];
-                            buf.read(s.offset() + at, ours);
-                            reduce(dtype, op, tmp, ours, false);
-                            buf.write(s.offset() + at, tmp);
+                            at = end;
                         }
                     }
-                    at = end;
+                    RingData::InPlace(s) => reduce_landed(
+                        dtype,
+                        op,
+                        (s.region().buffer(), s.offset() + range.start),
+                        (land.buffer(), range.start),
+                        range.len(),
+                        true,
+                        (&mut chunk, &mut mine),
+                    ),
                 }
             } else if !range.is_empty() {
                 // Allgather: a final segment, written into `work` (or in place) by the
@@ -1301,6 +1303,31 @@ fn check_ok(c: &RdmCompletion, step: u64) -> Result<()> {
             c.op, c.status
         ),
     ))
+}
+
+/// Reduces `len` bytes that landed in a registered buffer into the registered bytes at
+/// `acc`, in place: `acc op landed`, or `landed op acc` when `landed_first`. A chunk at a
+/// time through the two staging buffers (the landed bytes, ours): two word-atomic copies
+/// out, the vectorized reduction, one copy back.
+fn reduce_landed(
+    dtype: DataType,
+    op: ReduceOp,
+    acc: (&Buffer, usize),
+    landed: (&Buffer, usize),
+    len: usize,
+    landed_first: bool,
+    (theirs, mine): (&mut [u8], &mut [u8]),
+) {
+    let mut at = 0;
+    while at < len {
+        let k = (len - at).min(theirs.len()).min(mine.len());
+        let (t, m) = (&mut theirs[..k], &mut mine[..k]);
+        landed.0.read(landed.1 + at, t);
+        acc.0.read(acc.1 + at, m);
+        reduce(dtype, op, m, t, landed_first);
+        acc.0.write(acc.1 + at, m);
+        at += k;
+    }
 }
 
 fn check_len(data: &[u8], dtype: DataType) -> Result<()> {

@@ -40,8 +40,10 @@ use fabric::prelude::*;
 use fabric::{Error, Result, Slice};
 use fabric_rdm::{RecvBuf, Source};
 
-use super::{check_ok, Comm, NOTE_SLOT, RECV_CTX, REDUCE_CHUNK, SEND_CTX, WRITE_CTX};
-use crate::reduce::{reduce, DataType, ReduceOp};
+use super::{
+    check_ok, reduce_landed, Comm, NOTE_SLOT, RECV_CTX, REDUCE_CHUNK, SEND_CTX, WRITE_CTX,
+};
+use crate::reduce::{DataType, ReduceOp};
 
 /// Tag steps: the landing buffers' descriptor swap with the partner of level `s` is
 /// `DESC_STEP + s`; step `i` of a call is `STEP + i` (reduce-scatter levels, then the
@@ -246,22 +248,16 @@ impl Comm {
             note.buffer().write(own, &mine.to_bytes());
             RemoteDesc::ENCODED_LEN
         };
-        // Step `i`: its level, what it receives and what it sends.
+        // Step `i`: its level, and what it receives and sends (the reduce-scatter keeps
+        // and gives; the allgather sends what was kept and gets what was given).
         let level = |i: usize| if i < levels { i } else { steps - 1 - i };
-        let recv_range = |i: usize| {
+        let ranges = |i: usize| {
             let s = level(i);
+            let (keep, give) = (lv.keep[s].clone(), lv.give[s].clone());
             if i < levels {
-                lv.keep[s].clone()
+                (keep, give)
             } else {
-                lv.give[s].clone()
-            }
-        };
-        let send_range = |i: usize| {
-            let s = level(i);
-            if i < levels {
-                lv.give[s].clone()
-            } else {
-                lv.keep[s].clone()
+                (give, keep)
             }
         };
         // Segments of a range: whole elements, at most 256 of them; both sides of a step
@@ -276,7 +272,7 @@ impl Comm {
             s..(s + seg).min(b.end)
         };
         // Every notification of the call, posted up front.
-        let mut left: Vec<usize> = (0..steps).map(|i| nseg(recv_range(i).len())).collect();
+        let mut left: Vec<usize> = (0..steps).map(|i| nseg(ranges(i).0.len())).collect();
         for (i, &count) in left.iter().enumerate() {
             let from = Source::Peer(self.peers[lv.partner[level(i)]]);
             for k in 0..count {
@@ -345,23 +341,24 @@ impl Comm {
                         format!("halving level {s}: a notification of {len} bytes"),
                     ));
                 }
+                // Ours op theirs, the lower rank's operand first.
                 let range = part(lv.keep[s].clone(), k);
-                let mut at = range.start;
-                while at < range.end {
-                    let end = (at + REDUCE_CHUNK).min(range.end);
-                    let theirs = &mut chunk[..end - at];
-                    land.buffer()
-                        .read(lv.land_at[s] + (at - lv.keep[s].start), theirs);
-                    let mine = &mut ours[..end - at];
-                    buf.read(base + at, mine);
-                    reduce(dtype, op, theirs, mine, r < p);
-                    buf.write(base + at, theirs);
-                    at = end;
-                }
+                reduce_landed(
+                    dtype,
+                    op,
+                    (buf, base + range.start),
+                    (
+                        land.buffer(),
+                        lv.land_at[s] + (range.start - lv.keep[s].start),
+                    ),
+                    range.len(),
+                    p < r,
+                    (&mut chunk, &mut ours),
+                );
                 Ok(())
             };
         let mut early: Vec<Vec<(usize, usize)>> = vec![Vec::new(); steps];
-        let sends = |i: usize| (0..nseg(send_range(i).len())).map(move |k| (i, k));
+        let sends = |i: usize| (0..nseg(ranges(i).1.len())).map(move |k| (i, k));
         let mut todo: VecDeque<(usize, usize)> = sends(0).collect();
         let (mut cur, mut writing, mut sending) = (0usize, 0usize, 0usize);
         let window = self.cfg.write_window.max(1);
@@ -372,7 +369,7 @@ impl Comm {
                 };
                 let s = level(i);
                 let p = lv.partner[s];
-                let whole = send_range(i);
+                let whole = ranges(i).1;
                 let range = part(whole.clone(), k);
                 let dest = if i < levels {
                     let pl = partner_land[s];

@@ -2258,7 +2258,7 @@ impl EpCore {
             return None;
         }
         l.attributed = true;
-        let kind = Self::terminate_kind(op);
+        let kind = pdata::inferred_refusal(op);
         self.leave(l, || {
             EndpointEvent::Failed(Error::new(
                 kind,
@@ -2268,14 +2268,6 @@ impl EpCore {
             ))
         });
         Some(kind)
-    }
-
-    /// The error a peer's Terminate most likely carried for a request of `op`.
-    fn terminate_kind(op: Opcode) -> ErrorKind {
-        match op {
-            Opcode::Send => ErrorKind::RemoteInvalidRequest,
-            _ => ErrorKind::RemoteAccess,
-        }
     }
 
     fn push_user(
@@ -2437,7 +2429,7 @@ impl EpCore {
         if let Some(op) = oldest
             .filter(|_| self.dom.profile.infer_terminate && !l.attributed && !l.closed_locally)
         {
-            let kind = Self::terminate_kind(op);
+            let kind = pdata::inferred_refusal(op);
             EndpointEvent::Failed(Error::new(
                 kind,
                 format!(

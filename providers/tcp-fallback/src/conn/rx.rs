@@ -205,15 +205,6 @@ fn complete_fpdu(b: &[u8]) -> Result<Option<(usize, usize, usize)>, RxEnd> {
     Ok((b.len() >= total).then_some((total, ulpdu, hdr_len)))
 }
 
-/// The error a peer's Terminate most likely carried for a request of `op` (a Send: no
-/// fitting receive; anything else: a key or range the peer refused).
-fn terminate_kind(op: Opcode) -> ErrorKind {
-    match op {
-        Opcode::Send => ErrorKind::RemoteInvalidRequest,
-        _ => ErrorKind::RemoteAccess,
-    }
-}
-
 impl Conn {
     /// Reads and handles until the socket would block, the machine waits for room, or the
     /// connection ends (then the endpoint fails or disconnects, as the end says). With
@@ -591,7 +582,7 @@ impl Conn {
                     _ => None,
                 };
                 if let Some(op) = inferred {
-                    head = Some((terminate_kind(op), None));
+                    head = Some((fabric_api::pdata::inferred_refusal(op), None));
                 }
                 // A dead peer (RetryExceeded) is an error completion: the endpoint is in
                 // the error state (docs/contract.md section 6); an ended stream is a disconnect.
