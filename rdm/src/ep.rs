@@ -193,7 +193,7 @@ pub enum RdmStatus {
 }
 
 /// One completion of an RDM endpoint.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RdmCompletion {
     /// The caller's context.
     pub context: u64,
@@ -944,7 +944,12 @@ impl RdmEndpoint {
         let mut g = lock(&self.inner);
         g.progress()?;
         let n = g.done.len();
-        out.extend(g.done.drain(..));
+        // Two block copies, not an element-by-element drain (measured: the drain was a
+        // twentieth of the layer's instructions per message in an 8-byte ping-pong).
+        let (a, b) = g.done.as_slices();
+        out.extend_from_slice(a);
+        out.extend_from_slice(b);
+        g.done.clear();
         Ok(n)
     }
 
@@ -1536,7 +1541,11 @@ impl Inner {
             (false, None) => RdmOp::Recv,
             (false, Some(_)) => RdmOp::MultiRecv,
         };
-        let op = self.new_op(context, kind, None, spec.tag, 1);
+        // The operation enters `ops` once: before an unexpected message is placed into
+        // it, else together with its place in the matcher.
+        let op = self.next_op;
+        self.next_op += 1;
+        let mut fresh = Some(UserOp::new(context, kind, None, spec.tag, 1));
         let mut posted = Posted {
             op,
             buf,
@@ -1553,6 +1562,9 @@ impl Inner {
                 break;
             };
             let (src, _, u) = m.take_unexpected(a).expect("found");
+            if let Some(o) = fresh.take() {
+                self.ops.insert(op, o);
+            }
             match posted.multi {
                 None => {
                     self.consume_unexpected(op, src, u, posted.buf, 0);
@@ -1577,7 +1589,13 @@ impl Inner {
             &mut self.untagged
         };
         let seq = m.post(spec, posted);
-        self.ops.get_mut(&op).expect("new").posted = Some((tagged, seq));
+        match fresh {
+            Some(mut o) => {
+                o.posted = Some((tagged, seq));
+                self.ops.insert(op, o);
+            }
+            None => self.ops.get_mut(&op).expect("inserted").posted = Some((tagged, seq)),
+        }
         Ok(RecvId(op))
     }
 
@@ -1627,7 +1645,7 @@ impl Inner {
     ) {
         let room = buf.len - at;
         let n = (hdr.len as usize).min(room);
-        if let Some(o) = self.ops.get_mut(&op) {
+        let fill = |o: &mut UserOp| {
             o.peer = Some(src);
             o.tag = hdr.tag;
             o.len = n as u64;
@@ -1635,16 +1653,28 @@ impl Inner {
             if hdr.len as usize > room {
                 o.status = RdmStatus::Error(ErrorKind::LocalLength);
             }
-        }
+        };
         match hdr.kind {
             Kind::Eager => {
                 buf.region.buffer().write(buf.offset + at, &data[..n]);
                 if hdr.flags & F_SYNC != 0 {
                     self.queue_ctrl(conn, Kind::Ack, hdr.op);
                 }
-                self.step(op);
+                // Filled and stepped with one look-up (as `step` would).
+                if let Some(mut o) = self.ops.remove(&op) {
+                    fill(&mut o);
+                    o.waiting = o.waiting.saturating_sub(1);
+                    if o.waiting == 0 {
+                        self.complete(o);
+                    } else {
+                        self.ops.insert(op, o);
+                    }
+                }
             }
             _ => {
+                if let Some(o) = self.ops.get_mut(&op) {
+                    fill(o);
+                }
                 if !self.conns.contains_key(&conn) {
                     self.fail_op(op, ErrorKind::Flushed);
                     return;
@@ -1853,18 +1883,20 @@ impl Inner {
         let give = c.to_return.min(u16::MAX as u32);
         hdr.credits = give as u16;
         let (region, off) = self.slots.at(slot);
-        region.buffer().write(off, &hdr.encode());
+        // Header and payload go into the slot with one copy, through a buffer kept
+        // between messages (no allocation per message).
+        let tmp = &mut self.tx_buf;
+        tmp.clear();
+        tmp.extend_from_slice(&hdr.encode());
         let plen = match &payload {
             Some((r, o, n)) => {
-                // Through a buffer kept between messages: no allocation per message.
-                let tmp = &mut self.tx_buf;
-                tmp.resize(*n, 0);
-                r.buffer().read(*o, tmp);
-                region.buffer().write(off + HDR_LEN, tmp);
+                tmp.resize(HDR_LEN + *n, 0);
+                r.buffer().read(*o, &mut tmp[HDR_LEN..]);
                 *n
             }
             None => 0,
         };
+        region.buffer().write(off, tmp);
         let id = self.next_wr;
         self.next_wr += 1;
         let s = region
