@@ -2,7 +2,7 @@
 //! columns of fabtests (bytes, iters, total, time, MB/sec, usec/xfer, Mxfers/sec).
 //!
 //! ```text
-//! fabric perf pingpong|bw|lat --op send|write|write_imm|read|fetch_add|compare_swap
+//! fabric perf pingpong|bw|lat --op send|write|write_imm|read|fetch_add|compare_swap|tagged
 //!             [--size N | --sizes 8,64,1K,64K,1M] [--iters N] [--provider P]
 //!             [--role server --listen ADDR | --role client --connect ADDR] [--format text|json]
 //! ```
@@ -18,7 +18,10 @@
 //!   a middleware's "data is there" notification costs). usec/xfer is one-way: half a round trip (fabtests' pingpong counts
 //!   two transfers per iteration). For read and the atomics one transfer is itself a round
 //!   trip (request and response): usec/xfer is the whole operation, as `ib_read_lat` and
-//!   `ib_atomic_lat` report it, and the server application does nothing.
+//!   `ib_atomic_lat` report it, and the server application does nothing. tagged: the send
+//!   ping-pong over reliable datagram endpoints with tagged messages (fabric-rdm, see
+//!   `perf/tagged.rs`), as `fi_pingpong -e rdm` measures libfabric's RDM layer; pingpong
+//!   and lat only.
 //! * `lat`: the same exchange with every iteration timed; adds the minimum, median, 99th
 //!   percentile and maximum (the columns of perftest's `_lat` tools).
 //! * `bw`: the client keeps `--window` requests outstanding (signaling one in four), the
@@ -30,6 +33,7 @@
 //! yielding, `--wait` blocks in the completion queue's `wait`. The output says which.
 
 mod run;
+mod tagged;
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::net::SocketAddr;
@@ -116,6 +120,9 @@ pub(crate) enum Op {
     /// 64-bit compare-and-swap.
     #[value(name = "compare_swap", alias = "compare-swap")]
     CompareSwap,
+    /// Tagged send / receive over reliable datagram endpoints (fabric-rdm): eager below
+    /// its eager size, a rendezvous by RDMA Read above.
+    Tagged,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -185,6 +192,7 @@ impl Op {
             Op::Read => "read",
             Op::FetchAdd => "fetch_add",
             Op::CompareSwap => "compare_swap",
+            Op::Tagged => "tagged",
         }
     }
     fn code(self) -> u8 {
@@ -210,6 +218,8 @@ impl Op {
             Op::Read => OpSet::READ,
             Op::FetchAdd => OpSet::FETCH_ADD,
             Op::CompareSwap => OpSet::COMPARE_SWAP,
+            // Eager messages are sends; the rendezvous reads the sender's memory.
+            Op::Tagged => OpSet::SEND | OpSet::READ,
         }
     }
     fn is_atomic(self) -> bool {
@@ -218,12 +228,12 @@ impl Op {
     /// Whether one transfer of a ping-pong is one way (send, write) rather than a round
     /// trip (read, atomics).
     fn one_way(self) -> bool {
-        matches!(self, Op::Send | Op::Write | Op::WriteImm)
+        matches!(self, Op::Send | Op::Write | Op::WriteImm | Op::Tagged)
     }
 
     /// Whether each transfer consumes a receive at the target (send, write_imm).
     fn consumes_recv(self) -> bool {
-        matches!(self, Op::Send | Op::WriteImm)
+        matches!(self, Op::Send | Op::WriteImm | Op::Tagged)
     }
 }
 
@@ -340,6 +350,13 @@ impl Plan {
                 a.op.name()
             ));
         }
+        if a.op == Op::Tagged && a.test == Test::Bw {
+            return Err(
+                "--op tagged runs the pingpong and lat tests (a ping-pong over rdm \
+                 endpoints, as fi_pingpong -e rdm); for bandwidth use --op send or write"
+                    .into(),
+            );
+        }
         let mode = if a.wait {
             Mode::Block
         } else if a.spin {
@@ -420,6 +437,10 @@ fn server(args: &PerfArgs) -> Result<ExitCode, String> {
     let listen = args
         .listen
         .unwrap_or_else(|| "127.0.0.1:0".parse().expect("address"));
+    if args.op == Op::Tagged {
+        tagged::serve(domain, listen)?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let listener = domain
         .listen(listen)
         .map_err(|e| format!("listen on {listen}: {e}"))?;
@@ -494,7 +515,11 @@ fn client(
     } else {
         indicatif::ProgressBar::hidden()
     };
-    let rows = run::client(&domain, addr, plan, &bar)?;
+    let rows = if plan.op == Op::Tagged {
+        tagged::client(&std::sync::Arc::new(domain), addr, plan, &bar)?
+    } else {
+        run::client(&domain, addr, plan, &bar)?
+    };
     bar.finish_and_clear();
     match args.format {
         Format::Json => {

@@ -53,3 +53,46 @@ fn every_test_and_operation_runs_on_tcp() {
         }
     }
 }
+
+#[test]
+fn the_tagged_pingpong_runs_over_rdm_endpoints_and_refuses_bw() {
+    for test in ["pingpong", "lat"] {
+        let v = perf(test, "tagged");
+        let r = &v["rows"][0];
+        assert_eq!(
+            (r["test"].as_str(), r["op"].as_str(), r["iters"].as_u64()),
+            (Some(test), Some("tagged"), Some(20)),
+            "{v}"
+        );
+        assert!(r["usec_per_xfer"].as_f64().is_some_and(|u| u > 0.0), "{r}");
+    }
+    // Above the eager size: the rendezvous (an RDMA Read of the sender's memory).
+    let out = Command::new(env!("CARGO_BIN_EXE_fabric"))
+        .args(["perf", "pingpong", "--op", "tagged", "--sizes", "8,64K"])
+        .args(["--iters", "10", "--provider", "tcp", "--format", "json"])
+        .output()
+        .expect("run fabric perf");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let bytes: Vec<_> = v["rows"]
+        .as_array()
+        .expect("rows")
+        .iter()
+        .map(|r| r["bytes"].as_u64())
+        .collect();
+    assert_eq!(bytes, [Some(8), Some(65536)]);
+    let out = Command::new(env!("CARGO_BIN_EXE_fabric"))
+        .args(["perf", "bw", "--op", "tagged", "--provider", "tcp"])
+        .output()
+        .expect("run fabric perf");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("pingpong and lat"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -480,6 +480,9 @@ pub(crate) fn client(
     plan: &Plan,
     bar: &indicatif::ProgressBar,
 ) -> Result<Vec<Row>, String> {
+    if plan.op == Op::Tagged {
+        return Err("--op tagged runs over rdm endpoints (perf/tagged.rs), not here".into());
+    }
     let max_size = plan.max_size().max(CTRL_LEN as u64) as usize;
     let cq = domain
         .create_cq((plan.window as usize * 4).max(4096))
@@ -582,6 +585,7 @@ pub(crate) fn client(
                 Op::CompareSwap => {
                     SendWr::compare_swap(ctx, res, remote.at(0), cas_old, cas_old.wrapping_add(1))
                 }
+                Op::Tagged => unreachable!("refused at the top of `client`"),
             };
             let w = if inline && matches!(plan.op, Op::Send | Op::Write) {
                 w.inline()
@@ -665,7 +669,7 @@ pub(crate) fn client(
 }
 
 /// Microseconds per transfer: min, median, p99, max.
-fn distribution(mut samples: Vec<f64>, xfers_per_iter: u64) -> [f64; 4] {
+pub(super) fn distribution(mut samples: Vec<f64>, xfers_per_iter: u64) -> [f64; 4] {
     for s in &mut samples {
         *s *= 1e6 / xfers_per_iter as f64;
     }
@@ -766,6 +770,7 @@ impl State<'_> {
                     self.r.post(|| ep.post_send(&w))?;
                     self.r.wait_marker(io.target, io.size, seq)?;
                 }
+                Op::Tagged => unreachable!("refused at the top of `client`"),
                 Op::Read | Op::FetchAdd | Op::CompareSwap => {
                     let w = wr(ctx, true, self.cas_compare);
                     self.r.post(|| ep.post_send(&w))?;
