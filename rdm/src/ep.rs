@@ -14,6 +14,7 @@ use fabric::prelude::*;
 use fabric::{Error, RegionRef, Result, Slice};
 
 use crate::matching::{Matcher, Spec, Src};
+use crate::slab::Slab;
 use crate::wire::{Header, Kind, F_SYNC, F_TAGGED, HDR_LEN};
 use crate::IdMap;
 
@@ -493,13 +494,16 @@ struct Inner {
     slot: usize,
     av: Vec<AvEntry>,
     by_addr: HashMap<(SocketAddr, u64), u32>,
-    conns: IdMap<Conn>,
-    next_conn: u64,
+    /// Keys below 2^43: a receive's context carries its connection's key above the
+    /// buffer's index (20 bits) and under [`RECV_BIT`].
+    conns: Slab<Conn, 20, 23>,
     cq_reserved: usize,
-    inflight: IdMap<Inflight>,
-    next_wr: u64,
-    ops: IdMap<UserOp>,
-    next_op: u64,
+    /// Requests on the connections' send queues, by their context (keys below 2^63:
+    /// never [`RECV_BIT`]).
+    inflight: Slab<Inflight, 32, 31>,
+    /// Operations in progress; their keys are the `op` of wire headers (a peer echoes them
+    /// in acknowledgements and FINs) and [`RecvId`]s.
+    ops: Slab<UserOp, 32, 31>,
     tagged: Matcher<Posted, Unexp>,
     untagged: Matcher<Posted, Unexp>,
     unexp_bytes: usize,
@@ -582,13 +586,10 @@ impl RdmEndpoint {
             name,
             av: Vec::new(),
             by_addr: HashMap::new(),
-            conns: IdMap::default(),
-            next_conn: 1,
+            conns: Slab::new(),
             cq_reserved: 0,
-            inflight: IdMap::default(),
-            next_wr: 1,
-            ops: IdMap::default(),
-            next_op: 1,
+            inflight: Slab::new(),
+            ops: Slab::new(),
             tagged: Matcher::default(),
             untagged: Matcher::default(),
             unexp_bytes: 0,
@@ -657,7 +658,7 @@ impl RdmEndpoint {
             .conns
             .iter()
             .filter(|(_, c)| c.peer == idx)
-            .map(|(&k, _)| k)
+            .map(|(k, _)| k)
             .collect();
         for c in conns {
             g.conn_failed(c, ErrorKind::Flushed);
@@ -1021,7 +1022,7 @@ impl RdmEndpoint {
         }
         {
             let mut g = lock(&self.inner);
-            let ids: Vec<u64> = g.conns.keys().copied().collect();
+            let ids: Vec<u64> = g.conns.keys().collect();
             for id in ids {
                 let c = g.conns.get_mut(&id).expect("listed");
                 if !c.quiet && !c.bye_sent {
@@ -1291,11 +1292,17 @@ impl Inner {
         tag: u64,
         waiting: u32,
     ) -> u64 {
-        let id = self.next_op;
-        self.next_op += 1;
         self.ops
-            .insert(id, UserOp::new(context, op, peer, tag, waiting));
-        id
+            .insert(UserOp::new(context, op, peer, tag, waiting))
+    }
+
+    /// Keeps request `f` in flight under `id`, the [`Slab::vacant_key`] it was posted with.
+    fn inflight_keep(&mut self, id: u64, f: Inflight) {
+        let kept = self.inflight.insert(f);
+        debug_assert_eq!(
+            kept, id,
+            "a request kept under another key than it was posted with"
+        );
     }
 
     /// One awaited event of `op` happened.
@@ -1354,33 +1361,46 @@ impl Inner {
                 ),
             ));
         }
-        let id = self.next_conn;
-        self.next_conn += 1;
         let depth = self.cfg.recv_depth as usize;
-        let recv = self.domain.alloc(depth * self.slot, Access::LOCAL_WRITE)?;
+        let recv = match self.domain.alloc(depth * self.slot, Access::LOCAL_WRITE) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = ep.close();
+                return Err(e);
+            }
+        };
+        // Kept before its receives are posted, so that their contexts name it; a failure
+        // removes it again, and the completions of those receives then find nothing.
+        let id = self.conns.insert(Conn {
+            ep,
+            peer: idx,
+            credits,
+            to_return: 0,
+            sq_inflight: 0,
+            reads_inflight: 0,
+            recv,
+            ctrl: VecDeque::new(),
+            data: VecDeque::new(),
+            reads: VecDeque::new(),
+            quiet: false,
+            bye_sent: false,
+            bye_acked: false,
+        });
+        let c = self.conns.get(&id).expect("just kept");
         for i in 0..depth {
-            let s = recv.slice(i * self.slot..(i + 1) * self.slot)?;
-            ep.post_recv(&RecvWr::new(RECV_BIT | id << 20 | i as u64, &[s]))?;
+            let posted = c
+                .recv
+                .slice(i * self.slot..(i + 1) * self.slot)
+                .and_then(|s| {
+                    c.ep.post_recv(&RecvWr::new(RECV_BIT | id << 20 | i as u64, &[s]))
+                });
+            if let Err(e) = posted {
+                let c = self.conns.remove(&id).expect("just kept");
+                let _ = c.ep.close();
+                return Err(e);
+            }
         }
         self.cq_reserved += self.per_conn();
-        self.conns.insert(
-            id,
-            Conn {
-                ep,
-                peer: idx,
-                credits,
-                to_return: 0,
-                sq_inflight: 0,
-                reads_inflight: 0,
-                recv,
-                ctrl: VecDeque::new(),
-                data: VecDeque::new(),
-                reads: VecDeque::new(),
-                quiet: false,
-                bye_sent: false,
-                bye_acked: false,
-            },
-        );
         let e = &mut self.av[idx as usize];
         if sending || e.send_conn.is_none() {
             e.send_conn = Some(id);
@@ -1541,11 +1561,7 @@ impl Inner {
             (false, None) => RdmOp::Recv,
             (false, Some(_)) => RdmOp::MultiRecv,
         };
-        // The operation enters `ops` once: before an unexpected message is placed into
-        // it, else together with its place in the matcher.
-        let op = self.next_op;
-        self.next_op += 1;
-        let mut fresh = Some(UserOp::new(context, kind, None, spec.tag, 1));
+        let op = self.new_op(context, kind, None, spec.tag, 1);
         let mut posted = Posted {
             op,
             buf,
@@ -1562,9 +1578,6 @@ impl Inner {
                 break;
             };
             let (src, _, u) = m.take_unexpected(a).expect("found");
-            if let Some(o) = fresh.take() {
-                self.ops.insert(op, o);
-            }
             match posted.multi {
                 None => {
                     self.consume_unexpected(op, src, u, posted.buf, 0);
@@ -1589,13 +1602,7 @@ impl Inner {
             &mut self.untagged
         };
         let seq = m.post(spec, posted);
-        match fresh {
-            Some(mut o) => {
-                o.posted = Some((tagged, seq));
-                self.ops.insert(op, o);
-            }
-            None => self.ops.get_mut(&op).expect("inserted").posted = Some((tagged, seq)),
-        }
+        self.ops.get_mut(&op).expect("new").posted = Some((tagged, seq));
         Ok(RecvId(op))
     }
 
@@ -1660,16 +1667,10 @@ impl Inner {
                 if hdr.flags & F_SYNC != 0 {
                     self.queue_ctrl(conn, Kind::Ack, hdr.op);
                 }
-                // Filled and stepped with one look-up (as `step` would).
-                if let Some(mut o) = self.ops.remove(&op) {
-                    fill(&mut o);
-                    o.waiting = o.waiting.saturating_sub(1);
-                    if o.waiting == 0 {
-                        self.complete(o);
-                    } else {
-                        self.ops.insert(op, o);
-                    }
+                if let Some(o) = self.ops.get_mut(&op) {
+                    fill(o);
                 }
+                self.step(op);
             }
             _ => {
                 if let Some(o) = self.ops.get_mut(&op) {
@@ -1723,13 +1724,13 @@ impl Inner {
             ));
         }
         let op = self.new_op(context, kind, Some(idx), 0, 1);
-        let id = self.next_wr;
-        self.next_wr += 1;
+        // The request's context: its key once kept (below, after a successful post).
+        let id = self.inflight.vacant_key();
         let c = self.conns.get_mut(&conn).expect("conn");
         match c.ep.post_send(&wr(id)) {
             Ok(()) => {
                 c.sq_inflight += 1;
-                self.inflight.insert(id, Inflight::Rma { conn, op });
+                self.inflight_keep(id, Inflight::Rma { conn, op });
                 Ok(())
             }
             Err(e) => {
@@ -1827,8 +1828,8 @@ impl Inner {
                 return;
             }
         };
-        let id = self.next_wr;
-        self.next_wr += 1;
+        // The request's context: its key once kept (below, after a successful post).
+        let id = self.inflight.vacant_key();
         let remote = RemoteAddr {
             addr: r.addr + r.at as u64,
             key: r.key,
@@ -1839,7 +1840,7 @@ impl Inner {
                 c.sq_inflight += 1;
                 c.reads_inflight += 1;
                 let last = r.at + chunk >= r.len;
-                self.inflight.insert(
+                self.inflight_keep(
                     id,
                     Inflight::Read {
                         conn,
@@ -1897,8 +1898,8 @@ impl Inner {
             None => 0,
         };
         region.buffer().write(off, tmp);
-        let id = self.next_wr;
-        self.next_wr += 1;
+        // The request's context: its key once kept (below, after a successful post).
+        let id = self.inflight.vacant_key();
         let s = region
             .slice(off..off + HDR_LEN + plen)
             .expect("slot in range");
@@ -1907,7 +1908,7 @@ impl Inner {
                 c.to_return -= give;
                 c.credits -= 1;
                 c.sq_inflight += 1;
-                self.inflight.insert(
+                self.inflight_keep(
                     id,
                     Inflight::Wire {
                         conn,
@@ -2179,7 +2180,7 @@ impl Inner {
                 | Inflight::Rma { conn: x, .. }
                 | Inflight::Read { conn: x, .. } => *x == conn,
             })
-            .map(|(&k, _)| k)
+            .map(|(k, _)| k)
             .collect();
         for id in ids {
             match self.inflight.remove(&id).expect("listed") {
@@ -2202,7 +2203,7 @@ impl Inner {
             .ops
             .iter()
             .filter(|(_, o)| o.conn == Some(conn))
-            .map(|(&k, _)| k)
+            .map(|(k, _)| k)
             .collect();
         for op in waiting {
             self.fail_op(op, kind);

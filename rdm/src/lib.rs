@@ -141,6 +141,7 @@
 
 mod ep;
 pub mod matching;
+mod slab;
 pub mod wire;
 
 /// A map keyed by ids this layer hands out itself (operations, connections, work requests,
