@@ -237,6 +237,22 @@ impl Op {
     }
 }
 
+/// The end of ping-pong iteration `i` (started at `t` when timed): records its time and
+/// advances the progress bar every 256 iterations (the loop's end adds `n & 255`).
+pub(crate) fn iteration_done(
+    samples: &mut Vec<f64>,
+    t: Option<std::time::Instant>,
+    i: u64,
+    bar: &indicatif::ProgressBar,
+) {
+    if let Some(t) = t {
+        samples.push(t.elapsed().as_secs_f64());
+    }
+    if i & 255 == 255 {
+        bar.inc(256);
+    }
+}
+
 /// A message size: 1 byte to 1 GiB, binary suffixes ([`crate::units::parse_size`]).
 fn parse_size(s: &str) -> Result<u64, String> {
     crate::units::parse_size_in(s, 1, 1 << 30)

@@ -788,12 +788,7 @@ impl State<'_> {
                     }
                 }
             }
-            if let Some(t) = t {
-                samples.push(t.elapsed().as_secs_f64());
-            }
-            if i & 255 == 255 {
-                bar.inc(256);
-            }
+            super::iteration_done(&mut samples, t, i, bar);
         }
         bar.inc(n & 255);
         Ok(samples)

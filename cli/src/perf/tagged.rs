@@ -282,12 +282,7 @@ fn ping(
         ep.tsend(peer, DATA, src, SEND).map_err(e("send"))?;
         let c = next_recv(ep, mode, stash, STALL)?;
         check_len(&c, size)?;
-        if let Some(t) = t {
-            samples.push(t.elapsed().as_secs_f64());
-        }
-        if i & 255 == 255 {
-            bar.inc(256);
-        }
+        super::iteration_done(&mut samples, t, i, bar);
     }
     bar.inc(n & 255);
     Ok(samples)
