@@ -4,7 +4,11 @@
 //! The peer listens, prints `LISTEN <addr>` on stdout, accepts one connection, registers a
 //! 1 MiB region with every remote access right (byte `i` holds `pattern(i)`), sends its
 //! remote descriptor as the first message, then either
-//! * `--mode echo`: answers every message `echo:<bytes>` with `<bytes>`, exits on `quit`;
+//! * `--mode echo`: answers every message `echo:<bytes>` with `<bytes>`; on `quit` it exits
+//!   once its stdin closes ([`PeerProcess::wait_exit`] closes it), so that it is still there
+//!   when the sender's `quit` completes: over iWARP that completion waits for a delivery
+//!   read the peer answers, and a peer gone first fails it `Flushed`, as the contract says
+//!   of operations outstanding when the peer closes;
 //! * `--mode idle`: never touches its completion queue again (one-sided operations must
 //!   complete without it) and exits when its stdin closes;
 //! * `--mode writer`: receives a remote descriptor (the first message), then keeps
@@ -150,8 +154,10 @@ impl PeerProcess {
         Ok(())
     }
 
-    /// Waits for the peer to exit and returns its exit code.
+    /// Closes the peer's stdin, then waits for it to exit and returns its exit code.
     pub fn wait_exit(&mut self, timeout: Duration) -> Result<i32, String> {
+        // An echo peer told `quit` exits once its stdin closes (see the module docs).
+        self.close_stdin();
         let deadline = std::time::Instant::now() + timeout;
         loop {
             if let Some(s) = self.child.try_wait().map_err(|e| e.to_string())? {
@@ -272,6 +278,8 @@ fn serve(args: &[String]) -> Result<(), String> {
         let i = c.context as usize;
         let msg = msgs.buffer().to_vec(i * 4096, c.byte_len as usize);
         if msg == b"quit" {
+            let mut sink = Vec::new();
+            let _ = std::io::stdin().read_to_end(&mut sink);
             return Ok(());
         }
         if let Some(body) = msg.strip_prefix(b"echo:") {
