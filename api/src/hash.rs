@@ -28,6 +28,9 @@ impl Hasher for IdHasher {
         // id; the low bits, which pick the bucket, are a bijection of the id's.
         self.0 = (self.0 ^ n).wrapping_mul(FIB);
     }
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(u64::from(n));
+    }
     fn write_usize(&mut self, n: usize) {
         self.write_u64(n as u64);
     }

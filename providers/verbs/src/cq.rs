@@ -2,13 +2,14 @@
 //! completions ready for the application, and the reservations that make overrun
 //! impossible (see the crate docs).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::fmt;
 use std::marker::PhantomData;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use fabric_api::hash::IdMap;
 use fabric_api::spi::CompletionQueue;
 use fabric_api::{Completion, Error, ErrorKind, Result};
 
@@ -19,6 +20,9 @@ use crate::Flavor;
 
 /// Early-receive completions kept for endpoints not registered yet, at most.
 const ORPHANS: usize = 256;
+
+/// Completions one device poll of [`CqInner::drain`] takes at most.
+const DRAIN_BATCH: usize = 32;
 
 /// A device completion queue as the core drains it.
 pub(crate) trait DeviceQueue: Send + Sync {
@@ -52,19 +56,24 @@ pub(crate) trait CompletionTarget<Q: DeviceQueue>: Send + Sync + Sized {
 pub(crate) struct CqState<E = EpCore> {
     /// Completions for the application, in order.
     pub ready: VecDeque<Completion>,
-    /// Endpoints whose queue pairs report into this queue, by QP number.
-    pub qps: HashMap<u32, Arc<E>>,
+    /// Endpoints whose queue pairs report into this queue, by QP number (numbers the
+    /// local device hands out, never a peer: [`IdMap`]'s multiplicative hash).
+    pub qps: IdMap<u32, Arc<E>>,
     /// Completions of early receives (posted before an accept, see `ep::EarlyRing`) of a
     /// queue pair whose endpoint is not registered yet: handed to it when it is.
     pub orphans: Vec<Wc>,
+    /// What [`CqInner::drain`] polls the device into, kept between drains: a poll that
+    /// finds nothing (a spinning caller's usual one) initialises nothing.
+    scratch: Vec<Wc>,
 }
 
 impl<E> Default for CqState<E> {
     fn default() -> Self {
         CqState {
             ready: VecDeque::new(),
-            qps: HashMap::new(),
+            qps: IdMap::default(),
             orphans: Vec::new(),
+            scratch: Vec::new(),
         }
     }
 }
@@ -229,21 +238,14 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
     /// Moves everything the device completed into the ready queue (routing each
     /// completion to its endpoint's ledger). Called with the queue's lock held (`st`).
     pub fn drain(&self, st: &mut CqState<E>) {
-        let mut wcs = [Wc {
-            wr_id: 0,
-            status: 0,
-            opcode: 0,
-            vendor_err: 0,
-            byte_len: 0,
-            imm: None,
-            qp_num: 0,
-        }; 32];
+        let mut wcs = std::mem::take(&mut st.scratch);
+        wcs.resize(DRAIN_BATCH, Wc::default());
         loop {
             let n = match self.hw.poll(&mut wcs) {
                 Ok(n) => n,
                 Err(e) => {
                     tracing::error!("polling the device completion queue failed: {e}");
-                    return;
+                    break;
                 }
             };
             for wc in &wcs[..n] {
@@ -262,6 +264,7 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
                 break;
             }
         }
+        st.scratch = wcs;
     }
 }
 

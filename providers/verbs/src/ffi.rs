@@ -474,7 +474,7 @@ impl Drop for Mr {
 // ----- completion queues -----------------------------------------------------------------
 
 /// One work completion, copied out of the device's queue.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Wc {
     pub wr_id: u64,
     pub status: u32,
