@@ -746,8 +746,8 @@ impl State<'_> {
         let mut samples = Vec::with_capacity(if timed { n as usize } else { 0 });
         let ep = self.ep;
         let mode = self.r.mode;
+        let mut laps = super::Laps::start(timed);
         for i in 0..n {
-            let t = timed.then(Instant::now);
             let ctx = self.ctx;
             self.ctx += 1;
             self.phase_left -= 1;
@@ -788,7 +788,7 @@ impl State<'_> {
                     }
                 }
             }
-            super::iteration_done(&mut samples, t, i, bar);
+            super::iteration_done(&mut samples, &mut laps, i, bar);
         }
         bar.inc(n & 255);
         Ok(samples)

@@ -269,8 +269,8 @@ fn ping(
     let size = p.size as usize;
     let src = out.slice(0..size).map_err(e("slice"))?;
     let mut samples = Vec::with_capacity(if timed { n as usize } else { 0 });
+    let mut laps = super::Laps::start(timed);
     for i in 0..n {
-        let t = timed.then(Instant::now);
         ep.trecv(
             Source::Peer(peer),
             DATA,
@@ -282,7 +282,7 @@ fn ping(
         ep.tsend(peer, DATA, src, SEND).map_err(e("send"))?;
         let c = next_recv(ep, mode, stash, STALL)?;
         check_len(&c, size)?;
-        super::iteration_done(&mut samples, t, i, bar);
+        super::iteration_done(&mut samples, &mut laps, i, bar);
     }
     bar.inc(n & 255);
     Ok(samples)
