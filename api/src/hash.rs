@@ -52,6 +52,7 @@ mod tests {
         for hashes in [
             (1..=1024u64).map(|id| b.hash_one(id)).collect::<Vec<u64>>(),
             (1..=1024usize).map(|id| b.hash_one(id)).collect(),
+            (1..=1024u32).map(|id| b.hash_one(id)).collect(),
         ] {
             let top: std::collections::HashSet<u64> = hashes.iter().map(|h| h >> 57).collect();
             let low: std::collections::HashSet<u64> = hashes.iter().map(|h| h & 1023).collect();
@@ -61,6 +62,11 @@ mod tests {
                 1024,
                 "1024 sequential ids, 1024 distinct low 10 bits"
             );
+        }
+        // A 32-bit id (a queue-pair number) is one multiplication, as its 64-bit value,
+        // not the byte-at-a-time default.
+        for id in [1u32, 7, 0xdead_beef, u32::MAX] {
+            assert_eq!(b.hash_one(id), b.hash_one(u64::from(id)));
         }
         let mut m = IdMap::default();
         for id in 1..=1024u64 {

@@ -237,39 +237,42 @@ impl Op {
     }
 }
 
-/// The clock of a timed ping-pong loop, read once per iteration as perftest's `_lat` tools
-/// do: each sample is the time since the previous read (the first, since the loop began),
-/// so it covers one whole iteration. Reading the clock once instead of twice per iteration
-/// matters where a read is dear: in the soft-RDMA guest `clock_gettime` is an emulated HPET
-/// access of about 1.6 us.
+/// The clock and samples of a ping-pong loop. The clock is read once per iteration as
+/// perftest's `_lat` tools do: each sample is the time since the previous read (the first,
+/// since the loop began), so it covers one whole iteration. Reading the clock once instead
+/// of twice per iteration matters where a read is dear: in the soft-RDMA guest
+/// `clock_gettime` is an emulated HPET access of about 1.6 us.
 pub(crate) struct Laps {
     last: Option<std::time::Instant>,
+    samples: Vec<f64>,
 }
 
 impl Laps {
-    /// Starts the clock when `timed` (otherwise it never reads it).
-    pub(crate) fn start(timed: bool) -> Laps {
+    /// Starts the clock of `n` iterations when `timed` (otherwise it is never read and
+    /// nothing is recorded).
+    pub(crate) fn start(timed: bool, n: u64) -> Laps {
         Laps {
+            samples: Vec::with_capacity(if timed { n as usize } else { 0 }),
             last: timed.then(std::time::Instant::now),
         }
     }
-}
 
-/// The end of ping-pong iteration `i`: records its time (when timed) and advances the
-/// progress bar every 256 iterations (the loop's end adds `n & 255`).
-pub(crate) fn iteration_done(
-    samples: &mut Vec<f64>,
-    laps: &mut Laps,
-    i: u64,
-    bar: &indicatif::ProgressBar,
-) {
-    if let Some(last) = laps.last {
-        let now = std::time::Instant::now();
-        samples.push(now.duration_since(last).as_secs_f64());
-        laps.last = Some(now);
+    /// The end of iteration `i`: records its time (when timed) and advances the progress
+    /// bar every 256 iterations (the loop's end adds `n & 255`).
+    pub(crate) fn done(&mut self, i: u64, bar: &indicatif::ProgressBar) {
+        if let Some(last) = self.last {
+            let now = std::time::Instant::now();
+            self.samples.push(now.duration_since(last).as_secs_f64());
+            self.last = Some(now);
+        }
+        if i & 255 == 255 {
+            bar.inc(256);
+        }
     }
-    if i & 255 == 255 {
-        bar.inc(256);
+
+    /// Seconds per iteration, in order (empty when untimed).
+    pub(crate) fn into_samples(self) -> Vec<f64> {
+        self.samples
     }
 }
 
@@ -620,6 +623,40 @@ fn print_text(report: &fabric::SelectionReport, plan: &Plan, rows: &[Row]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn laps_read_the_clock_once_per_iteration_and_count_the_gaps() {
+        let bar = indicatif::ProgressBar::hidden();
+        let mut untimed = Laps::start(false, 3);
+        for i in 0..3 {
+            untimed.done(i, &bar);
+        }
+        assert!(
+            untimed.into_samples().is_empty(),
+            "untimed: nothing recorded"
+        );
+        // As perftest's samples: each runs from the previous read to this one, so time
+        // spent between two iterations (here a pause) belongs to the next sample.
+        let pause = std::time::Duration::from_millis(20);
+        let begun = std::time::Instant::now();
+        let mut laps = Laps::start(true, 3);
+        laps.done(0, &bar);
+        std::thread::sleep(pause);
+        laps.done(1, &bar);
+        laps.done(2, &bar);
+        let total = begun.elapsed().as_secs_f64();
+        let s = laps.into_samples();
+        assert_eq!(s.len(), 3);
+        assert!(
+            s[1] >= pause.as_secs_f64(),
+            "{s:?}: the pause is in the second lap"
+        );
+        let sum: f64 = s.iter().sum();
+        assert!(
+            sum <= total,
+            "{s:?}: consecutive laps, summing to at most {total}"
+        );
+    }
 
     #[test]
     fn sizes_parse_with_binary_suffixes() {

@@ -743,10 +743,9 @@ impl State<'_> {
         wr: &impl Fn(u64, bool, u64) -> SendWr<'w>,
         bar: &indicatif::ProgressBar,
     ) -> Result<Vec<f64>, String> {
-        let mut samples = Vec::with_capacity(if timed { n as usize } else { 0 });
         let ep = self.ep;
         let mode = self.r.mode;
-        let mut laps = super::Laps::start(timed);
+        let mut laps = super::Laps::start(timed, n);
         for i in 0..n {
             let ctx = self.ctx;
             self.ctx += 1;
@@ -788,9 +787,9 @@ impl State<'_> {
                     }
                 }
             }
-            super::iteration_done(&mut samples, &mut laps, i, bar);
+            laps.done(i, bar);
         }
         bar.inc(n & 255);
-        Ok(samples)
+        Ok(laps.into_samples())
     }
 }

@@ -268,8 +268,7 @@ fn ping(
 ) -> Result<Vec<f64>, String> {
     let size = p.size as usize;
     let src = out.slice(0..size).map_err(e("slice"))?;
-    let mut samples = Vec::with_capacity(if timed { n as usize } else { 0 });
-    let mut laps = super::Laps::start(timed);
+    let mut laps = super::Laps::start(timed, n);
     for i in 0..n {
         ep.trecv(
             Source::Peer(peer),
@@ -282,10 +281,10 @@ fn ping(
         ep.tsend(peer, DATA, src, SEND).map_err(e("send"))?;
         let c = next_recv(ep, mode, stash, STALL)?;
         check_len(&c, size)?;
-        super::iteration_done(&mut samples, &mut laps, i, bar);
+        laps.done(i, bar);
     }
     bar.inc(n & 255);
-    Ok(samples)
+    Ok(laps.into_samples())
 }
 
 #[cfg(test)]

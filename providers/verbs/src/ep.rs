@@ -1174,9 +1174,9 @@ impl EpCore {
         if l.pending == n {
             // Nothing held back before it: post now, and report a refusal synchronously.
             match self.post_next_group(&mut l) {
-                // Refused whole (the group is still the unposted tail): the caller learns
-                // it now and the request never existed.
-                Posted::Refused(e) if l.pending == n => {
+                // Nothing reached the device: the caller learns it now and the request
+                // never existed.
+                Posted::Refused(e) => {
                     for _ in 0..n {
                         l.sq.pop_back();
                         l.unposted.pop_back();
@@ -1186,9 +1186,7 @@ impl EpCore {
                     undo(&self.send_cq);
                     return Err(e);
                 }
-                // Posted, held back, or refused after part of the group reached the device
-                // (the rest is marked failed and completes with the error in turn).
-                Posted::Yes | Posted::Later | Posted::Refused(_) => {}
+                Posted::Yes | Posted::Later => {}
             }
         }
         self.release_pending(&mut l);
@@ -1199,18 +1197,14 @@ impl EpCore {
     /// Posts held-back groups in order while credits and queue room allow.
     fn release_pending(&self, l: &mut Ledger) {
         while l.pending > 0 && l.status == EndpointState::Connected && !l.torn_down {
-            let before = l.pending;
             match self.post_next_group(l) {
                 Posted::Yes => {}
                 Posted::Later => break,
                 Posted::Refused(e) => {
-                    // Asynchronous failure: the group completes with the error in turn.
+                    // Refused whole: it stays held back (retried by the RNR thread)
+                    // rather than refused again in a loop here.
                     tracing::debug!("posting a held-back request failed: {e}");
-                    if l.pending == before {
-                        // Refused whole: it stays held back (retried by the RNR thread)
-                        // rather than refused again in a loop here.
-                        break;
-                    }
+                    break;
                 }
             }
         }
@@ -1329,13 +1323,16 @@ impl EpCore {
                 if posted == 0 {
                     return Posted::Refused(err);
                 }
+                // Part of the group reached the device: the rest leaves the unposted tail,
+                // marked failed, and completes with the error in turn.
+                tracing::debug!(qp = self.qpn, posted, "part of a group refused: {err}");
                 for i in start + posted..end {
                     l.sq[i].unposted = false;
                     l.sq[i].failed = Some((err.kind(), err.code()));
                 }
                 l.unposted.drain(..end - start - posted);
                 l.pending -= end - start - posted;
-                Posted::Refused(err)
+                Posted::Yes
             }
         }
     }
@@ -2655,9 +2652,14 @@ impl CompletionTarget<HwCq> for EpCore {
     }
 }
 
+/// What posting the first unposted group did.
 enum Posted {
+    /// The group left the unposted tail: on the device, or (refused after part of it
+    /// reached the device) the rest marked failed, to complete with the error in turn.
     Yes,
+    /// Held back (credits, queue room, an emulated atomic's reply).
     Later,
+    /// Nothing reached the device: the group is still the unposted tail.
     Refused(Error),
 }
 
