@@ -43,7 +43,7 @@ use fabric_rdm::{RecvBuf, Source};
 use super::{
     check_ok, reduce_landed, Comm, NOTE_SLOT, RECV_CTX, REDUCE_CHUNK, SEND_CTX, WRITE_CTX,
 };
-use crate::reduce::{DataType, ReduceOp};
+use crate::reduce::{reduce, DataType, ReduceOp};
 
 /// Tag steps: the landing buffers' descriptor swap with the partner of level `s` is
 /// `DESC_STEP + s`; step `i` of a call is `STEP + i` (reduce-scatter levels, then the
@@ -56,7 +56,7 @@ pub(super) const MAX_RANKS: usize = 512;
 /// This rank's halving-doubling buffers and what it knows of its partners'.
 #[derive(Debug)]
 pub(super) struct Halving {
-    /// Where an allreduce of a slice works (copied in, reduced in place, copied out).
+    /// Where an allreduce of a slice sends from and the partners write its allgather.
     work: Option<Arc<MemoryRegion>>,
     /// Where the partner of level `s` writes the half this rank keeps (at `land_at[s]`).
     land: Arc<MemoryRegion>,
@@ -170,8 +170,11 @@ impl Comm {
         Ok(())
     }
 
-    /// Allreduce of a slice by halving and doubling: copied into the work buffer (made or
-    /// grown here; its descriptor travels like a region's), reduced there, copied back.
+    /// Allreduce of a slice by halving and doubling. The slice stays where the reductions
+    /// happen (plain memory, no word-atomic staging of our operand); the work buffer (made
+    /// or grown here; its descriptor travels like a region's) holds only what is sent from
+    /// here, staged just before its step, and receives the allgather's ranges, copied out
+    /// at the end.
     pub(super) fn halving_copied(
         &mut self,
         data: &mut [u8],
@@ -191,15 +194,11 @@ impl Comm {
                 w
             }
         };
-        work.buffer().write(0, data);
-        self.halving_in_place(work.slice(..total)?, bounds, dtype, op)?;
-        work.buffer().read(0, data);
-        Ok(())
+        self.halving_guarded(work.slice(..total)?, Some(data), bounds, dtype, op)
     }
 
     /// Allreduce by halving and doubling of `data`, registered with remote write access,
-    /// in place. On an error what this rank knows of its partners' regions is forgotten
-    /// (the next call tells and expects every descriptor again).
+    /// in place.
     pub(super) fn halving_in_place(
         &mut self,
         data: Slice<'_>,
@@ -207,7 +206,20 @@ impl Comm {
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
-        let res = self.halving_run(data, bounds, dtype, op);
+        self.halving_guarded(data, None, bounds, dtype, op)
+    }
+
+    /// Runs the algorithm; on an error what this rank knows of its partners' regions is
+    /// forgotten (the next call tells and expects every descriptor again).
+    fn halving_guarded(
+        &mut self,
+        region: Slice<'_>,
+        copied: Option<&mut [u8]>,
+        bounds: &[usize],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let res = self.halving_run(region, copied, bounds, dtype, op);
         if res.is_err() {
             if let Some(h) = &mut self.halving {
                 h.told = None;
@@ -217,9 +229,16 @@ impl Comm {
         res
     }
 
+    /// One allreduce. `data` is the registered range sends come from and partners write
+    /// the allgather into. With `copied` (the caller's slice, of the same length), the
+    /// reduce-scatter reduces into `copied` instead: each step's send range is staged from
+    /// it into `data` when the step starts (the half given at level 0 as it is, then each
+    /// half given once reduced, then our own block), and the ranges the partners wrote are
+    /// copied back into it at the end.
     fn halving_run(
         &mut self,
         data: Slice<'_>,
+        mut copied: Option<&mut [u8]>,
         bounds: &[usize],
         dtype: DataType,
         op: ReduceOp,
@@ -293,70 +312,95 @@ impl Comm {
         let buf = data.region().buffer();
         let base = data.offset();
         let mut chunk = vec![0u8; REDUCE_CHUNK];
-        let mut ours = vec![0u8; REDUCE_CHUNK];
+        let mut ours = vec![0u8; if copied.is_some() { 0 } else { REDUCE_CHUNK }];
+        // Copied: stage step `i`'s send range from the slice (the reduce-scatter's given
+        // half, then our own block; the allgather's later ranges are in `data` already).
+        let stage = |copied: &mut Option<&mut [u8]>, i: usize| {
+            if let Some(d) = copied {
+                if i <= levels {
+                    let range = ranges(i).1;
+                    buf.write(base + range.start, &d[range]);
+                }
+            }
+        };
+        stage(&mut copied, 0);
         // Step `i`'s notification `k` (of `len` bytes) has arrived and its step is current:
         // learn the partner's region from the first of a reduce-scatter level, and reduce
         // what landed into our half.
-        let mut arrive =
-            |regions: &mut [Option<RemoteDesc>], i: usize, k: usize, len: usize| -> Result<()> {
-                if i >= levels {
-                    return Ok(()); // the allgather's data is placed where it belongs
-                }
-                let s = i;
-                let p = lv.partner[s];
-                if k == 0 {
-                    let d = match len {
-                        0 => regions[s].ok_or_else(|| {
-                            Error::new(
-                                ErrorKind::Protocol,
-                                format!("rank {p} did not send its region's descriptor"),
-                            )
-                        })?,
-                        RemoteDesc::ENCODED_LEN => {
-                            let mut b = [0u8; RemoteDesc::ENCODED_LEN];
-                            note.buffer().read(s * NOTE_SLOT, &mut b);
-                            RemoteDesc::from_bytes(&b)?
-                        }
-                        _ => {
-                            return Err(Error::new(
-                                ErrorKind::Protocol,
-                                format!("halving level {s}: a notification of {len} bytes"),
-                            ))
-                        }
-                    };
-                    if d.len != total as u64 {
+        let mut arrive = |regions: &mut [Option<RemoteDesc>],
+                          copied: &mut Option<&mut [u8]>,
+                          i: usize,
+                          k: usize,
+                          len: usize|
+         -> Result<()> {
+            if i >= levels {
+                return Ok(()); // the allgather's data is placed where it belongs
+            }
+            let s = i;
+            let p = lv.partner[s];
+            if k == 0 {
+                let d = match len {
+                    0 => regions[s].ok_or_else(|| {
+                        Error::new(
+                            ErrorKind::Protocol,
+                            format!("rank {p} did not send its region's descriptor"),
+                        )
+                    })?,
+                    RemoteDesc::ENCODED_LEN => {
+                        let mut b = [0u8; RemoteDesc::ENCODED_LEN];
+                        note.buffer().read(s * NOTE_SLOT, &mut b);
+                        RemoteDesc::from_bytes(&b)?
+                    }
+                    _ => {
                         return Err(Error::new(
                             ErrorKind::Protocol,
-                            format!(
-                                "allreduce: rank {p} passed {} bytes, rank {r} {total}: every \
-                             rank passes the same length",
-                                d.len
-                            ),
-                        ));
+                            format!("halving level {s}: a notification of {len} bytes"),
+                        ))
                     }
-                    regions[s] = Some(d);
-                } else if len != 0 {
+                };
+                if d.len != total as u64 {
                     return Err(Error::new(
                         ErrorKind::Protocol,
-                        format!("halving level {s}: a notification of {len} bytes"),
+                        format!(
+                            "allreduce: rank {p} passed {} bytes, rank {r} {total}: every \
+                             rank passes the same length",
+                            d.len
+                        ),
                     ));
                 }
-                // Ours op theirs, the lower rank's operand first.
-                let range = part(lv.keep[s].clone(), k);
-                reduce_landed(
+                regions[s] = Some(d);
+            } else if len != 0 {
+                return Err(Error::new(
+                    ErrorKind::Protocol,
+                    format!("halving level {s}: a notification of {len} bytes"),
+                ));
+            }
+            // Ours op theirs, the lower rank's operand first.
+            let range = part(lv.keep[s].clone(), k);
+            let landed = lv.land_at[s] + (range.start - lv.keep[s].start);
+            match copied {
+                Some(d) => {
+                    let mut at = range.start;
+                    while at < range.end {
+                        let end = (at + chunk.len()).min(range.end);
+                        let theirs = &mut chunk[..end - at];
+                        land.buffer().read(landed + (at - range.start), theirs);
+                        reduce(dtype, op, &mut d[at..end], theirs, p < r);
+                        at = end;
+                    }
+                }
+                None => reduce_landed(
                     dtype,
                     op,
                     (buf, base + range.start),
-                    (
-                        land.buffer(),
-                        lv.land_at[s] + (range.start - lv.keep[s].start),
-                    ),
+                    (land.buffer(), landed),
                     range.len(),
                     p < r,
                     (&mut chunk, &mut ours),
-                );
-                Ok(())
-            };
+                ),
+            }
+            Ok(())
+        };
         let mut early: Vec<Vec<(usize, usize)>> = vec![Vec::new(); steps];
         let sends = |i: usize| (0..nseg(ranges(i).1.len())).map(move |k| (i, k));
         let mut todo: VecDeque<(usize, usize)> = sends(0).collect();
@@ -431,7 +475,7 @@ impl Comm {
             let idx = (c.context & !RECV_CTX) as usize;
             let (i, k) = (idx >> 8, idx & 0xff);
             if i == cur {
-                arrive(&mut regions, i, k, c.len as usize)?;
+                arrive(&mut regions, &mut copied, i, k, c.len as usize)?;
                 left[i] -= 1;
             } else {
                 early[i].push((k, c.len as usize));
@@ -440,13 +484,21 @@ impl Comm {
             while cur < steps && left[cur] == 0 {
                 cur += 1;
                 if cur < steps {
+                    stage(&mut copied, cur);
                     todo.extend(sends(cur));
                     for (k, len) in std::mem::take(&mut early[cur]) {
-                        arrive(&mut regions, cur, k, len)?;
+                        arrive(&mut regions, &mut copied, cur, k, len)?;
                         left[cur] -= 1;
                     }
                 }
             }
+        }
+        // Copied: the ranges the partners wrote (every one but our own block, which the
+        // slice holds reduced).
+        if let Some(d) = copied {
+            let own = lv.keep[levels - 1].clone();
+            buf.read(base, &mut d[..own.start]);
+            buf.read(base + own.end, &mut d[own.end..]);
         }
         let h = self.halving.as_mut().expect("made");
         h.partner_region = regions;
