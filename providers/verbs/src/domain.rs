@@ -513,6 +513,12 @@ impl<F: Flavor> VerbsDomain<F> {
         &self.inner.dev
     }
 
+    /// What the provider does on this device: which features it emulates, how it confirms
+    /// delivery, whether sends wait for credits.
+    pub fn profile(&self) -> &crate::Profile {
+        &self.inner.profile
+    }
+
     fn endpoint(
         &self,
         id: CmId,

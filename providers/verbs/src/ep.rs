@@ -1284,11 +1284,30 @@ impl EpCore {
             }
             tracing::trace!(qp = self.qpn, seq = w.wr_id, op = ?w.op, sges = ?w.sges, fence = w.fence, "posting");
         }
-        // SAFETY: every entry names memory registered in this domain and held by the
-        // record (`_holds`, or the endpoint's credit area) until the record completes or
-        // the queue pair is destroyed (teardown destroys it before dropping records).
-        #[allow(unsafe_code)]
-        let r = unsafe { self.id.post_send(wrs) };
+        // Debug builds: a refusal the device tests asked for (`crate::fault`), where the
+        // device refuses request `at` (those before it reach it).
+        #[cfg(debug_assertions)]
+        let refusal = crate::fault::take(wrs.len());
+        #[cfg(not(debug_assertions))]
+        let refusal: Option<(usize, i32)> = None;
+        let r = match refusal {
+            None => {
+                // SAFETY: every entry names memory registered in this domain and held by
+                // the record (`_holds`, or the endpoint's credit area) until the record
+                // completes or the queue pair is destroyed (teardown destroys it before
+                // dropping records).
+                #[allow(unsafe_code)]
+                unsafe {
+                    self.id.post_send(wrs)
+                }
+            }
+            Some((at, errno)) => {
+                // SAFETY: as above, for the first `at` of them.
+                #[allow(unsafe_code)]
+                unsafe { self.id.post_send(&wrs[..at]) }
+                    .and(Err((at, std::io::Error::from_raw_os_error(errno))))
+            }
+        };
         let posted = match &r {
             Ok(()) => wrs.len(),
             Err((k, _)) => *k,
@@ -2250,11 +2269,12 @@ impl EpCore {
         }
         self.note_dead(&mut l);
         if std::ptr::eq(cq, Arc::as_ptr(&self.send_cq)) {
+            // Records the device refused after part of their group reached it complete
+            // now if their turn came (dead, everything unposted does).
+            self.flush_unposted(&mut l, cst);
             if l.status == EndpointState::Connected {
                 self.release_pending(&mut l);
                 self.send_credit(&mut l);
-            } else {
-                self.flush_unposted(&mut l, cst);
             }
         }
     }

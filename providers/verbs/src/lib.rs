@@ -123,6 +123,8 @@ pub mod device;
 mod domain;
 mod emu;
 mod ep;
+#[cfg(debug_assertions)]
+pub mod fault;
 #[allow(unsafe_code)]
 mod ffi;
 pub mod gid;

@@ -260,5 +260,107 @@ pub fn conn_items<F: Flavor>(d: VerbsDomain<F>, ip: IpAddr) {
     assert_eq!(s.next_event(), Some(EndpointEvent::PeerClosed));
     drop(s);
     drop(l);
+
+    #[cfg(debug_assertions)]
+    refusals(&d, ip, &ccq, &scq);
     eprintln!("conn_items: every check passed on {} at {ip}", F::NAME);
+}
+
+/// What the ledger does when the device refuses a post (`fabric_verbs::fault`, debug
+/// builds): refused whole, a post fails at once and leaves nothing behind; refused after
+/// part of its group reached the device, it completes with the error in turn; a held-back
+/// group refused whole stays held back for the RNR thread, retried at its pace, not in a
+/// loop, and goes once the device takes it.
+#[cfg(debug_assertions)]
+fn refusals<F: Flavor>(d: &VerbsDomain<F>, ip: IpAddr, ccq: &VerbsCq<F>, scq: &VerbsCq<F>) {
+    use fabric_verbs::fault;
+    const EINVAL: i32 = 22;
+    let src = region(d, Access::LOCAL_WRITE);
+    let dst = region(d, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let mut out = Vec::new();
+    // What the sequence before left in the queues.
+    while ccq.poll(&mut out, 64).unwrap() > 0 || scq.poll(&mut out, 64).unwrap() > 0 {}
+    out.clear();
+
+    // Refused whole, synchronously: the caller gets the error, and no completion ever
+    // comes for it; the next write goes alone.
+    let (c, s) = pair(d, ip, ccq, scq);
+    let sgl = [src.slice(0..16).unwrap()];
+    let write = |ctx| SendWr::write(ctx, &sgl, dst.desc().at(0));
+    let before = fault::refused();
+    fault::refuse_posts(0, EINVAL, 1);
+    let e = c.post_send(&write(40)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert_eq!(fault::refused(), before + 1);
+    c.post_send(&write(41)).unwrap();
+    let x = next(ccq);
+    assert_eq!((x.context, x.status), (41, Status::Success), "{x:?}");
+    c.drain(T).unwrap();
+    assert_eq!(ccq.poll(&mut out, 8).unwrap(), 0, "{out:?}");
+
+    // Refused after part of its group: where a send is followed by a delivery read, the
+    // send reaches the device and the read does not. The post succeeds, the send lands,
+    // and the request completes with the device's error; the endpoint goes on.
+    if d.profile().delivery_reads {
+        for i in 0..2 {
+            s.post_recv(&RecvWr::new(200 + i, &[dst.slice(0..64).unwrap()]))
+                .unwrap();
+        }
+        fault::refuse_posts(1, EINVAL, 1);
+        c.post_send(&SendWr::send(42, &[src.slice(0..8).unwrap()]))
+            .unwrap();
+        let x = next(ccq);
+        assert_eq!(
+            (x.context, x.status),
+            (42, Status::Error(ErrorKind::InvalidArgument)),
+            "{x:?}"
+        );
+        let y = next(scq);
+        assert_eq!((y.context, y.status), (200, Status::Success), "{y:?}");
+        c.post_send(&SendWr::send(43, &[src.slice(0..8).unwrap()]))
+            .unwrap();
+        let x = next(ccq);
+        assert_eq!((x.context, x.status), (43, Status::Success), "{x:?}");
+        let y = next(scq);
+        assert_eq!((y.context, y.status), (201, Status::Success), "{y:?}");
+    }
+    drop((c, s));
+
+    // Held back for credits (the peer has no receive), then refused whole, again and
+    // again, once the peer's credit lets it go: the RNR thread retries it at its pace (a
+    // retry loop would refuse it millions of times a second), the application's polls
+    // return, and once the device takes it the send completes.
+    if d.profile().credits {
+        let (c, s) = pair(d, ip, ccq, scq);
+        c.post_send(&SendWr::send(50, &[src.slice(0..8).unwrap()]))
+            .unwrap();
+        let before = fault::refused();
+        fault::refuse_posts(0, EINVAL, usize::MAX);
+        s.post_recv(&RecvWr::new(300, &[dst.slice(0..64).unwrap()]))
+            .unwrap();
+        let t0 = Instant::now();
+        while fault::refused() == before {
+            assert!(t0.elapsed() < T, "the held-back send was never released");
+            assert_eq!(ccq.poll(&mut out, 8).unwrap(), 0, "{out:?}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let first = fault::refused();
+        let window = Instant::now();
+        while window.elapsed() < Duration::from_millis(300) {
+            assert_eq!(ccq.poll(&mut out, 8).unwrap(), 0, "{out:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let retries = fault::refused() - first;
+        fault::stop();
+        eprintln!("refusals: the held-back send was refused {retries} more times in 300 ms");
+        assert!(
+            (1..5000).contains(&retries),
+            "{retries} refusals in 300 ms: the held-back send is retried in a loop (or not at all)"
+        );
+        let x = next(ccq);
+        assert_eq!((x.context, x.status), (50, Status::Success), "{x:?}");
+        let y = next(scq);
+        assert_eq!((y.context, y.status), (300, Status::Success), "{y:?}");
+        drop((c, s));
+    }
 }

@@ -1,0 +1,67 @@
+//! Device refusals on demand, for the device tests (debug builds only).
+//!
+//! `ibv_post_send` refusing a chain, whole or after part of it reached the device, cannot be
+//! provoked through the provider: it checks every request before posting, and rxe and siw
+//! accept what passes those checks. So the ledger's handling of a refusal
+//! (`post_next_group`: a synchronous post refused whole fails at once and leaves nothing
+//! behind; a group refused after its first requests completes with the error in turn; a
+//! held-back group refused whole stays held back for the RNR thread instead of being
+//! retried in a loop) is tested through this hook, on a real queue pair in the soft-RDMA
+//! guest (`providers/verbs/testsuite/conn_items.rs`).
+//!
+//! The hook is process-wide: a test that arms it must be the only one posting meanwhile.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+#[derive(Debug)]
+struct Refusal {
+    at: usize,
+    errno: i32,
+    left: usize,
+}
+
+static ARMED: AtomicBool = AtomicBool::new(false);
+static PLAN: Mutex<Option<Refusal>> = Mutex::new(None);
+static REFUSED: AtomicUsize = AtomicUsize::new(0);
+
+/// From now on, `times` times, the device refuses the request at index `at` of a posted
+/// chain longer than `at`, with `errno` (`ibv_post_send`'s return); the requests before it
+/// reach the device. Shorter chains are posted as usual.
+pub fn refuse_posts(at: usize, errno: i32, times: usize) {
+    let mut p = PLAN.lock().unwrap_or_else(|e| e.into_inner());
+    *p = (times > 0).then_some(Refusal {
+        at,
+        errno,
+        left: times,
+    });
+    ARMED.store(times > 0, Ordering::SeqCst);
+}
+
+/// Stops refusing.
+pub fn stop() {
+    refuse_posts(0, 0, 0);
+}
+
+/// How many chains were refused so far in this process.
+pub fn refused() -> usize {
+    REFUSED.load(Ordering::SeqCst)
+}
+
+/// For the ledger, about to post a chain of `len` requests: where the device refuses it,
+/// and with which `errno`, if it does.
+pub(crate) fn take(len: usize) -> Option<(usize, i32)> {
+    if !ARMED.load(Ordering::Relaxed) {
+        return None;
+    }
+    let mut p = PLAN.lock().unwrap_or_else(|e| e.into_inner());
+    let r = p.as_mut().filter(|r| r.at < len)?;
+    let out = (r.at, r.errno);
+    r.left -= 1;
+    if r.left == 0 {
+        *p = None;
+        ARMED.store(false, Ordering::SeqCst);
+    }
+    REFUSED.fetch_add(1, Ordering::SeqCst);
+    Some(out)
+}
