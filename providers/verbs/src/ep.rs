@@ -1200,46 +1200,14 @@ impl EpCore {
             match self.post_next_group(l) {
                 Posted::Yes => {}
                 Posted::Later => break,
-                Posted::Refused(e) if e.kind() == ErrorKind::QueueFull => {
-                    // The device is out of room (ENOMEM): the group stays held back, for
-                    // the RNR thread to retry at its pace, not again in a loop here.
-                    tracing::debug!(
-                        qp = self.qpn,
-                        "the device has no room for a held-back request: {e}"
-                    );
-                    break;
-                }
                 Posted::Refused(e) => {
-                    // Refused for good, after its post returned: the request completes
-                    // with the error (the whole group, in turn), and so the endpoint fails.
-                    let start = l.sq.len() - l.pending;
-                    let code = (e.kind(), e.code());
-                    for r in l.sq.range_mut(start..) {
-                        r.failed = Some(code);
-                        if r.user.is_some() || !r.grouped {
-                            break;
-                        }
-                    }
-                    self.fail_refused(l, e);
+                    // Refused whole: it stays held back (retried by the RNR thread)
+                    // rather than refused again in a loop here.
+                    tracing::debug!("posting a held-back request failed: {e}");
                     break;
                 }
             }
         }
-    }
-
-    /// The device refused a request whose post had returned, so its error comes in a
-    /// completion: the endpoint enters the error state as after any error completion
-    /// (contract section 6), the peer is disconnected, and the rest flushes.
-    fn fail_refused(&self, l: &mut Ledger, e: Error) {
-        tracing::debug!(
-            qp = self.qpn,
-            "the device refused a posted request: endpoint fails: {e}"
-        );
-        self.leave(l, || EndpointEvent::Failed(e));
-        l.attributed = true;
-        // Under the ledger lock, as in `on_disconnected`; the connection manager's event
-        // then marks the endpoint dead and flushes what is left.
-        let _ = self.id.disconnect();
     }
 
     /// Posts the first unposted group.
@@ -1375,7 +1343,7 @@ impl EpCore {
                     return Posted::Refused(err);
                 }
                 // Part of the group reached the device: the rest leaves the unposted tail,
-                // marked failed, and completes with the error in turn; the endpoint fails.
+                // marked failed, and completes with the error in turn.
                 tracing::debug!(qp = self.qpn, posted, "part of a group refused: {err}");
                 for i in start + posted..end {
                     l.sq[i].unposted = false;
@@ -1383,7 +1351,6 @@ impl EpCore {
                 }
                 l.unposted.drain(..end - start - posted);
                 l.pending -= end - start - posted;
-                self.fail_refused(l, err);
                 Posted::Yes
             }
         }
