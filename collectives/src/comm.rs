@@ -1330,6 +1330,25 @@ fn reduce_landed(
     }
 }
 
+/// Reduces `acc.len()` bytes that landed in a registered buffer at `landed` into `acc`, plain
+/// memory, in place: `acc op landed`, or `landed op acc` when `landed_first`. A chunk at a
+/// time through `staging`: one word-atomic copy out, the vectorized reduction.
+fn reduce_landed_into(
+    dtype: DataType,
+    op: ReduceOp,
+    acc: &mut [u8],
+    landed: (&Buffer, usize),
+    landed_first: bool,
+    staging: &mut [u8],
+) {
+    let step = staging.len();
+    for (i, a) in acc.chunks_mut(step).enumerate() {
+        let theirs = &mut staging[..a.len()];
+        landed.0.read(landed.1 + i * step, theirs);
+        reduce(dtype, op, a, theirs, landed_first);
+    }
+}
+
 fn check_len(data: &[u8], dtype: DataType) -> Result<()> {
     if !data.len().is_multiple_of(dtype.size()) {
         return Err(Error::invalid(format!(

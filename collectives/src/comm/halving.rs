@@ -41,9 +41,10 @@ use fabric::{Error, Result, Slice};
 use fabric_rdm::{RecvBuf, Source};
 
 use super::{
-    check_ok, reduce_landed, Comm, NOTE_SLOT, RECV_CTX, REDUCE_CHUNK, SEND_CTX, WRITE_CTX,
+    check_ok, reduce_landed, reduce_landed_into, Comm, NOTE_SLOT, RECV_CTX, REDUCE_CHUNK, SEND_CTX,
+    WRITE_CTX,
 };
-use crate::reduce::{reduce, DataType, ReduceOp};
+use crate::reduce::{DataType, ReduceOp};
 
 /// Tag steps: the landing buffers' descriptor swap with the partner of level `s` is
 /// `DESC_STEP + s`; step `i` of a call is `STEP + i` (reduce-scatter levels, then the
@@ -379,16 +380,14 @@ impl Comm {
             let range = part(lv.keep[s].clone(), k);
             let landed = lv.land_at[s] + (range.start - lv.keep[s].start);
             match copied {
-                Some(d) => {
-                    let mut at = range.start;
-                    while at < range.end {
-                        let end = (at + chunk.len()).min(range.end);
-                        let theirs = &mut chunk[..end - at];
-                        land.buffer().read(landed + (at - range.start), theirs);
-                        reduce(dtype, op, &mut d[at..end], theirs, p < r);
-                        at = end;
-                    }
-                }
+                Some(d) => reduce_landed_into(
+                    dtype,
+                    op,
+                    &mut d[range],
+                    (land.buffer(), landed),
+                    p < r,
+                    &mut chunk,
+                ),
                 None => reduce_landed(
                     dtype,
                     op,
