@@ -60,6 +60,15 @@ impl Payload {
         }
     }
 
+    /// Copies the whole payload into `out`, which is exactly as long (registered memory
+    /// copied out word-atomically).
+    fn copy_to(&self, out: &mut [u8]) {
+        match self {
+            Payload::Inline(v) => out.copy_from_slice(v),
+            Payload::Memory(parts) => copy_sges(parts, out),
+        }
+    }
+
     /// Appends the bytes covering `[off, off+len)` of the payload to `out` (registered
     /// memory copied out word-atomically, straight into `out`: no staging chunk to clear
     /// per message).
@@ -116,6 +125,33 @@ pub(crate) enum Kind {
     },
 }
 
+impl Kind {
+    /// The DDP header of the segment that starts at payload offset `off`.
+    pub fn header(self, off: usize, last: bool) -> Header {
+        match self {
+            Kind::Tagged { opcode, stag, to } => Header::Tagged {
+                last,
+                opcode,
+                stag,
+                to: to.wrapping_add(off as u64),
+            },
+            Kind::Untagged {
+                opcode,
+                ulp,
+                qn,
+                msn,
+            } => Header::Untagged {
+                last,
+                opcode,
+                ulp,
+                qn,
+                msn,
+                mo: off as u32,
+            },
+        }
+    }
+}
+
 /// One RDMAP message to transmit.
 #[derive(Debug)]
 pub(crate) struct OutMsg {
@@ -139,27 +175,7 @@ impl OutMsg {
     }
 
     fn header(&self, off: usize, last: bool) -> Header {
-        match self.kind {
-            Kind::Tagged { opcode, stag, to } => Header::Tagged {
-                last,
-                opcode,
-                stag,
-                to: to.wrapping_add(off as u64),
-            },
-            Kind::Untagged {
-                opcode,
-                ulp,
-                qn,
-                msn,
-            } => Header::Untagged {
-                last,
-                opcode,
-                ulp,
-                qn,
-                msn,
-                mo: off as u32,
-            },
-        }
+        self.kind.header(off, last)
     }
 
     /// The FPDU that carries payload bytes from `off`: its MPA length and DDP header, its
@@ -194,6 +210,18 @@ impl OutMsg {
 
     /// Encodes the whole message, appending to `out` (small messages, for the direct path).
     pub fn encode_into(&self, out: &mut Vec<u8>, max_seg: usize, crc: bool) {
+        let total = self.payload.len();
+        if total <= max_seg {
+            // One FPDU (every message of a ping-pong, every ack): written in place.
+            return encode_fpdu(out, &self.header(0, true), total, crc, |b| {
+                self.payload.copy_to(b)
+            });
+        }
+        self.encode_segments(out, max_seg, crc)
+    }
+
+    /// [`encode_into`](Self::encode_into) FPDU by FPDU, for any length.
+    fn encode_segments(&self, out: &mut Vec<u8>, max_seg: usize, crc: bool) {
         out.reserve(self.payload.len() + 32);
         let mut off = 0;
         loop {
@@ -206,6 +234,41 @@ impl OutMsg {
                 return;
             }
         }
+    }
+}
+
+/// Copies the registered-memory ranges `sges` one after the other into `out`, which is
+/// exactly as long as they are together (word-atomic copies: [`Buffer::read`]).
+pub(crate) fn copy_sges(sges: &Sges, out: &mut [u8]) {
+    let mut at = 0;
+    for (buf, start, len) in sges {
+        buf.read(*start, &mut out[at..at + len]);
+        at += len;
+    }
+}
+
+/// Appends one whole FPDU to `out`: the MPA length, the DDP header `h` (its L flag set by
+/// the caller), `len` payload bytes that `fill` writes into the slice it is given, the pad
+/// and the CRC field (CRC32c over all before it with `crc`, else zero). Writes in place:
+/// no staging of header, payload or trailer.
+pub(crate) fn encode_fpdu(
+    out: &mut Vec<u8>,
+    h: &Header,
+    len: usize,
+    crc: bool,
+    fill: impl FnOnce(&mut [u8]),
+) {
+    let ulpdu = h.len() + len;
+    let body = 2 + ulpdu + mpa::pad_len(ulpdu);
+    let start = out.len();
+    out.resize(start + body + 4, 0);
+    let b = &mut out[start..];
+    b[..2].copy_from_slice(&(ulpdu as u16).to_be_bytes());
+    let at = 2 + h.write_to(&mut b[2..]);
+    fill(&mut b[at..at + len]);
+    if crc {
+        let c = crc32c::crc32c(&b[..body]);
+        b[body..].copy_from_slice(&mpa::crc_bytes(c));
     }
 }
 
@@ -543,6 +606,54 @@ mod tests {
     use super::*;
     use crate::wire::ddp::{opcode, TAGGED_LEN};
     use std::io::Read;
+
+    /// A message of one FPDU is written in place (`encode_fpdu`) byte for byte as the
+    /// FPDU-by-FPDU encoder writes it: every pad length, tagged and untagged, inline and
+    /// gathered from registered memory, with and without CRCs.
+    #[test]
+    fn one_fpdu_in_place_matches_the_segment_encoder() {
+        let data: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37)).collect();
+        let buf = Arc::new(Buffer::from_slice(&data));
+        for len in 0..=9 {
+            for crc in [false, true] {
+                let kinds = [
+                    Kind::Tagged {
+                        opcode: opcode::WRITE,
+                        stag: 0xabcd,
+                        to: 77,
+                    },
+                    Kind::Untagged {
+                        opcode: opcode::SEND,
+                        ulp: 5,
+                        qn: 0,
+                        msn: 9,
+                    },
+                ];
+                for kind in kinds {
+                    let payloads = [
+                        Payload::Inline(data[3..3 + len].to_vec()),
+                        Payload::Memory(smallvec::smallvec![
+                            (buf.clone(), 3, len / 2),
+                            (buf.clone(), 40, len - len / 2)
+                        ]),
+                    ];
+                    for payload in payloads {
+                        let m = OutMsg {
+                            kind,
+                            payload,
+                            sent_seq: None,
+                            inbound: false,
+                        };
+                        let (mut fast, mut slow) = (vec![1, 2], vec![1, 2]);
+                        m.encode_into(&mut fast, 64, crc);
+                        m.encode_segments(&mut slow, 64, crc);
+                        assert_eq!(fast, slow, "len {len} crc {crc} {kind:?}");
+                        assert_eq!((fast.len() - 2) % 4, 0, "FPDUs end on a word");
+                    }
+                }
+            }
+        }
+    }
 
     /// A multi-FPDU message written through a small send buffer (so `sendmsg` takes part
     /// of an FPDU, whole FPDUs, or an FPDU and part of the next): the stream holds exactly

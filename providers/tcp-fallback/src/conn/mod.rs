@@ -35,7 +35,7 @@ use crate::credit::{credit_allows, LocalArea};
 use crate::emu::{Announcement, LocalEmu};
 use crate::engine::Engine;
 use crate::keys::{random_u32, KeyTable};
-use crate::tx::{Kind, Msgs, OutMsg, Payload, Queued, Sges, TxQueue};
+use crate::tx::{copy_sges, encode_fpdu, Kind, Msgs, OutMsg, Payload, Queued, Sges, TxQueue};
 use crate::wire::ddp::{
     self, atomic_op, opcode, qn, term, AtomicRequest, AtomicResponse, ReadRequest, Terminate,
 };
@@ -697,6 +697,9 @@ impl Conn {
     /// Posts a request; returns whether its messages were held back (`SendFlags::MORE`:
     /// the caller then notes the connection with [`Self::defer_output`]).
     pub fn post_send(&self, wr: &SendWr<'_>) -> Result<bool> {
+        if let Some(done) = self.send_direct(wr) {
+            return done;
+        }
         let acks = self.neg.has(features::ACKS);
         let inline = wr.flags.contains(SendFlags::INLINE);
         let mut msgs = Msgs::new();
@@ -947,13 +950,7 @@ impl Conn {
         };
 
         let mut st = self.lock();
-        Self::check_connected(&st)?;
-        if st.sq.len() >= self.sq_depth {
-            return Err(Error::new(
-                ErrorKind::QueueFull,
-                format!("send queue of depth {} is full", self.sq_depth),
-            ));
-        }
+        self.check_sq_room(&st)?;
         self.send_cq.reserve()?;
         let seq = st.next_seq;
         st.next_seq += 1;
@@ -1065,6 +1062,113 @@ impl Conn {
         }
         st.backlog.push_back(gated);
         Ok(false)
+    }
+
+    /// The endpoint is connected and its send queue has room for one more request.
+    fn check_sq_room(&self, st: &State) -> Result<()> {
+        Self::check_connected(st)?;
+        if st.sq.len() >= self.sq_depth {
+            return Err(Error::new(
+                ErrorKind::QueueFull,
+                format!("send queue of depth {} is full", self.sq_depth),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The direct path of [`post_send`](Self::post_send), for what a ping-pong or an
+    /// eager protocol posts most: a small Send without immediate data, not held back
+    /// (`SendFlags::MORE`), to a peer that acknowledges deliveries, while nothing waits
+    /// to go before it (no request held back, nothing corked or queued for the socket).
+    /// Its payload is copied from the gather list straight into the encoding buffer,
+    /// behind the delivery acks owed to the peer, and the whole goes out in one `send`.
+    /// What the general path does for the same request, minus building its messages:
+    /// the same checks, the same sequence and MSNs, the same completion. Returns `None`
+    /// when the request does not qualify; the general path then takes it from the start.
+    fn send_direct(&self, wr: &SendWr<'_>) -> Option<Result<bool>> {
+        let SendOp::Send { sgl, imm: None } = wr.op else {
+            return None;
+        };
+        if wr.flags.contains(SendFlags::MORE)
+            || !self.neg.has(features::ACKS)
+            || self.neg.credits().is_some()
+        {
+            return None;
+        }
+        let (sges, total) = match self.gather(sgl, Access::empty()) {
+            Ok(g) => g,
+            Err(e) => return Some(Err(e)),
+        };
+        if total > DIRECT_LIMIT.min(self.max_seg)
+            || (wr.flags.contains(SendFlags::INLINE) && total > crate::MAX_INLINE as usize)
+        {
+            return None;
+        }
+        let mut st = self.lock();
+        if let Err(e) = self.check_sq_room(&st) {
+            return Some(Err(e));
+        }
+        if !st.backlog.is_empty()
+            || !st.corked.is_empty()
+            || !self.heard.load(AtomicOrdering::SeqCst)
+            || (wr.flags.contains(SendFlags::FENCE) && st.reads_out > 0)
+        {
+            return None;
+        }
+        let tx = self.tx.lock().expect("tx poisoned");
+        if tx.closed || !tx.is_idle() {
+            return None;
+        }
+        if let Err(e) = self.send_cq.reserve() {
+            return Some(Err(e));
+        }
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        st.sends_out += 1;
+        let mut bytes = std::mem::take(&mut st.spare_bytes);
+        bytes.clear();
+        if st.acks_owed != [0; 2] {
+            st.hold_ok = true; // this message carries them
+            st.held_due = 0;
+            Self::take_acks(&mut st, |st, ulp| {
+                let h = Self::header_of(st, ack_kind(ulp));
+                encode_fpdu(&mut bytes, &h, 0, self.neg.crc, |_| {});
+            });
+        }
+        let acks_end = bytes.len();
+        let h = Self::header_of(&mut st, send_kind());
+        encode_fpdu(&mut bytes, &h, total, self.neg.crc, |b| copy_sges(&sges, b));
+        let n = self.send_now(&bytes);
+        let mut tx = tx;
+        if n < acks_end {
+            tx.queue
+                .push_back(Queued::Tail(bytes[n..acks_end].to_vec(), None, false));
+        }
+        if n < bytes.len() {
+            // The socket is full: its writable edge brings progress back.
+            tx.queue.push_back(Queued::Tail(
+                bytes[n.max(acks_end)..].to_vec(),
+                Some(seq),
+                false,
+            ));
+        }
+        drop(tx);
+        st.sq.push_back(Pending {
+            seq,
+            context: wr.context,
+            opcode: Opcode::Send,
+            signaled: wr.flags.contains(SendFlags::SIGNALED),
+            wait_write: 0,
+            wait_msg: 1,
+            wait_resp: false,
+            sent: n == bytes.len(),
+            byte_len: total as u64,
+            resp: Resp::Acks,
+            error: None,
+            write_target: None,
+        });
+        Self::keep_spare(&mut st, bytes);
+        Some(Ok(false))
     }
 
     fn may_start(&self, st: &State, g: &Gated) -> bool {
@@ -1389,10 +1493,21 @@ impl Conn {
 
     /// Assigns an untagged message its MSN.
     fn number(st: &mut State, m: &mut OutMsg) {
-        if let Kind::Untagged { qn, msn, .. } = &mut m.kind {
+        Self::number_kind(st, &mut m.kind);
+    }
+
+    /// [`number`](Self::number) for a message's header fields alone.
+    fn number_kind(st: &mut State, kind: &mut Kind) {
+        if let Kind::Untagged { qn, msn, .. } = kind {
             *msn = st.msn[*qn as usize];
             st.msn[*qn as usize] = msn.wrapping_add(1);
         }
+    }
+
+    /// The header of a message of one FPDU of `kind`, numbered ([`Self::number`]).
+    fn header_of(st: &mut State, mut kind: Kind) -> ddp::Header {
+        Self::number_kind(st, &mut kind);
+        kind.header(0, true)
     }
 
     /// Assigns the MSN and hands the message to the socket, or queues it behind others.
@@ -1501,17 +1616,23 @@ impl Conn {
         st.held_due = 0;
         let mut held = std::mem::take(&mut st.spare_msgs);
         held.clear();
+        Self::take_acks(st, |_, ulp| held.push(ack_msg(ulp)));
+        st.corked_bytes = 0;
+        held.append(&mut st.corked);
+        held
+    }
+
+    /// Takes the acks owed, calling `each` with the ULP field of each ack that carries
+    /// them: one per kind, or more when a count exceeds what one ack carries.
+    fn take_acks(st: &mut State, mut each: impl FnMut(&mut State, u32)) {
         for (kind, flag) in [(0, 0), (1, ddp::ACK_MESSAGES)] {
             let mut n = std::mem::take(&mut st.acks_owed[kind]);
             while n > 0 {
                 let take = n.min(ddp::ACK_COUNT);
-                held.push(ack_msg(flag | take));
+                each(st, flag | take);
                 n -= take;
             }
         }
-        st.corked_bytes = 0;
-        held.append(&mut st.corked);
-        held
     }
 
     fn transmit_ack(&self, st: &mut State, ulp: u32) {
@@ -1887,15 +2008,27 @@ fn empty_send() -> OutMsg {
 
 /// A delivery ack carrying `ulp` (kind flag and count).
 fn ack_msg(ulp: u32) -> OutMsg {
-    OutMsg::control(
-        Kind::Untagged {
-            opcode: opcode::ACK,
-            ulp,
-            qn: qn::ACK,
-            msn: 0,
-        },
-        Vec::new(),
-    )
+    OutMsg::control(ack_kind(ulp), Vec::new())
+}
+
+/// The header of a delivery ack carrying `ulp`, before numbering.
+fn ack_kind(ulp: u32) -> Kind {
+    Kind::Untagged {
+        opcode: opcode::ACK,
+        ulp,
+        qn: qn::ACK,
+        msn: 0,
+    }
+}
+
+/// The header of a Send without immediate data, before numbering.
+fn send_kind() -> Kind {
+    Kind::Untagged {
+        opcode: opcode::SEND,
+        ulp: 0,
+        qn: qn::SEND,
+        msn: 0,
+    }
 }
 
 fn read_request(size: u32, stag: u32, to: u64) -> OutMsg {
