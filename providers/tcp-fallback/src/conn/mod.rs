@@ -541,9 +541,11 @@ impl Conn {
         let mut deferred = false;
         crate::engine::sync::serialised(&self.rx, &self.rx_pending, |rx| {
             self.flush_tx();
-            deferred = self.rx_step(rx, defer);
-            // What the receive side queued (responses, acks) goes out now.
-            self.flush_tx();
+            if let rx::Step::Ran { deferred: d } = self.rx_step(rx, defer) {
+                deferred = d;
+                // What the receive side queued (responses, acks) goes out now.
+                self.flush_tx();
+            }
         });
         deferred
     }

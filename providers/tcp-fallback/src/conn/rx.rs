@@ -107,6 +107,16 @@ fn wire_violation_in(e: WireError, tagged: bool) -> RxEnd {
     violation(t, e.to_string())
 }
 
+/// What a pass of the receive machine ([`Conn::rx_step`]) came to.
+pub(super) enum Step {
+    /// Nothing was buffered and nothing arrived: the pass read an empty socket and did
+    /// nothing else (no lock taken, nothing queued for the peer).
+    Quiet,
+    /// The pass ran; `deferred`: the delivery acks of what it placed stay owed
+    /// ([`Conn::flush_acks`]).
+    Ran { deferred: bool },
+}
+
 /// What handling an FPDU came to.
 enum Flow {
     /// Handled: consume it.
@@ -160,6 +170,9 @@ pub(super) struct Rx {
     streaming: bool,
     /// FPDUs other than writes handled in a row while streaming.
     between: u8,
+    /// What the first read of this pass returned, when [`Conn::rx_step`] made it before
+    /// taking the endpoint's lock (the buffer was empty): `rx_run`'s first read.
+    early: Option<io::Result<usize>>,
 }
 
 impl Rx {
@@ -183,6 +196,7 @@ impl Rx {
             skip: 0,
             streaming: false,
             between: 0,
+            early: None,
         }
     }
 }
@@ -210,8 +224,31 @@ impl Conn {
     /// connection ends (then the endpoint fails or disconnects, as the end says). With
     /// `defer`, the batch's delivery acks may stay owed ([`Conn::flush_acks`]); returns
     /// whether they did.
-    pub(super) fn rx_step(&self, rx: &mut Rx, defer: bool) -> bool {
+    pub(super) fn rx_step(&self, rx: &mut Rx, defer: bool) -> Step {
         let mut deferred = false;
+        if defer
+            && !rx.done
+            && rx.direct.is_none()
+            && rx.skip == 0
+            && !rx.streaming
+            && rx.start == rx.end
+        {
+            // The application's pass with nothing buffered starts with a read, made here
+            // before the endpoint's lock is taken. When the socket is empty (a polling
+            // application's usual pass) that read is the whole pass: the batch it would
+            // open and close is empty, and an empty batch of the application's changes
+            // nothing (acks owed stay held as the pass that deferred them left them, and
+            // noted in the poll sets). Other passes (the progress thread's, a close's) go
+            // on, since their end sends what is held back. Whatever else the read returns,
+            // data, the end of the stream or an error, is `rx_run`'s first read below;
+            // the room is the one `rx_run` would ask for (`FIRST_READ` of an empty buffer).
+            rx.start = 0;
+            rx.end = 0;
+            match (&self.sock).read(&mut rx.buf[..FIRST_READ]) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Step::Quiet,
+                r => rx.early = Some(r),
+            }
+        }
         if !rx.done {
             let over = {
                 let mut st = self.lock();
@@ -227,8 +264,9 @@ impl Conn {
                 res
             };
             match res {
-                Ok(()) => return deferred,
+                Ok(()) => return Step::Ran { deferred },
                 Err(end) => {
+                    rx.early = None;
                     rx.done = true;
                     self.rx_end(end);
                 }
@@ -237,7 +275,7 @@ impl Conn {
         if self.graceful.load(AtomicOrdering::SeqCst) {
             self.rx_drain(rx);
         }
-        false
+        Step::Ran { deferred: false }
     }
 
     /// After the end: reads and drops whatever the peer still sends, so that the socket
@@ -353,7 +391,11 @@ impl Conn {
             // with the whole room.
             let room = if first { room.min(FIRST_READ) } else { room };
             first = false;
-            match (&self.sock).read(&mut rx.buf[rx.end..rx.end + room]) {
+            let got = match rx.early.take() {
+                Some(r) => r,
+                None => (&self.sock).read(&mut rx.buf[rx.end..rx.end + room]),
+            };
+            match got {
                 Ok(0) if rx.start < rx.end => {
                     return Err(violation(
                         term::STREAM_LOST,
