@@ -446,6 +446,11 @@ struct Ledger {
     /// When `state()` last asked the device for the queue pair's state (at most once per
     /// [`QP_STATE_EVERY`]: `ibv_query_qp` is a system call).
     qp_checked: Option<Instant>,
+    /// The device has refused the first held-back request since this time, with this
+    /// error (a full queue, `ENOMEM`, not counted: that passes). Past
+    /// [`EpCore::FLUSH_GRACE`] on a connected endpoint, the request fails and the endpoint
+    /// with it ([`EpCore::fail_refused`]).
+    refused: Option<(Instant, Error)>,
 }
 
 /// How often `state()` may query the queue pair's state: its death is otherwise learned
@@ -716,6 +721,7 @@ impl EpCore {
                     early: (0..early_slots).map(|_| EarlySlot::default()).collect(),
                     early_matched,
                     qp_checked: None,
+                    refused: None,
                 },
             ),
         });
@@ -1186,6 +1192,9 @@ impl EpCore {
                     undo(&self.send_cq);
                     return Err(e);
                 }
+                // Part of it reached the device: the request exists, and the rest is
+                // held back, retried below and then by the RNR thread.
+                Posted::Cut(e) => Self::note_refused(&mut l, e),
                 Posted::Yes | Posted::Later => {}
             }
         }
@@ -1200,13 +1209,22 @@ impl EpCore {
             match self.post_next_group(l) {
                 Posted::Yes => {}
                 Posted::Later => break,
-                Posted::Refused(e) => {
-                    // Refused whole: it stays held back (retried by the RNR thread)
-                    // rather than refused again in a loop here.
+                Posted::Refused(e) | Posted::Cut(e) => {
+                    // What the device refused stays held back (retried by the RNR
+                    // thread) rather than refused again in a loop here.
                     tracing::debug!("posting a held-back request failed: {e}");
+                    Self::note_refused(l, e);
                     break;
                 }
             }
+        }
+    }
+
+    /// Notes that the device refused the first held-back request (see
+    /// [`Ledger::refused`]): from now, unless it was already refusing it.
+    fn note_refused(l: &mut Ledger, e: Error) {
+        if e.kind() != ErrorKind::QueueFull && l.refused.is_none() {
+            l.refused = Some((Instant::now(), e));
         }
     }
 
@@ -1335,6 +1353,9 @@ impl EpCore {
                 self.dom.rnr.hurry();
             }
         }
+        if posted > 0 {
+            l.refused = None; // the device takes requests again
+        }
         match r {
             Ok(()) => Posted::Yes,
             Err((_, e)) => {
@@ -1342,16 +1363,11 @@ impl EpCore {
                 if posted == 0 {
                     return Posted::Refused(err);
                 }
-                // Part of the group reached the device: the rest leaves the unposted tail,
-                // marked failed, and completes with the error in turn.
+                // Part of the group reached the device: the rest stays the unposted
+                // tail, held back, and goes when the device takes it (nothing can pass it:
+                // later requests are held back behind it).
                 tracing::debug!(qp = self.qpn, posted, "part of a group refused: {err}");
-                for i in start + posted..end {
-                    l.sq[i].unposted = false;
-                    l.sq[i].failed = Some((err.kind(), err.code()));
-                }
-                l.unposted.drain(..end - start - posted);
-                l.pending -= end - start - posted;
-                Posted::Yes
+                Posted::Cut(err)
             }
         }
     }
@@ -1381,6 +1397,16 @@ impl EpCore {
                 return self.flush_stuck();
             }
             self.release_pending(&mut l);
+            if l.pending > 0
+                && l.refused
+                    .as_ref()
+                    .is_some_and(|(t, _)| t.elapsed() >= Self::FLUSH_GRACE)
+            {
+                self.fail_refused(&mut l);
+                drop(l);
+                self.flush_dead();
+                return true; // dead now: looked at again (`flush_stuck`)
+            }
             let short = self.send_credit(&mut l);
             if !short || reaped {
                 let still = (l.pending > 0 || l.credit_dirty)
@@ -1395,8 +1421,56 @@ impl EpCore {
         unreachable!("the second pass returns")
     }
 
-    /// How long a dead endpoint waits for the device to flush what it holds.
+    /// How long a dead endpoint waits for the device to flush what it holds, and how
+    /// long a connected one lets the device refuse a held-back request before failing it
+    /// ([`Self::fail_refused`]).
     const FLUSH_GRACE: Duration = Duration::from_secs(2);
+
+    /// The device has refused the first held-back request for [`Self::FLUSH_GRACE`] on
+    /// a connected endpoint (not a full queue: [`Ledger::refused`]): it will not take it.
+    /// The request fails with the device's error and the endpoint enters the error state
+    /// (docs/contract.md section 6: the first error completion does that), disconnecting
+    /// the queue pair, which flushes what the device holds; the requests behind it
+    /// complete `Flushed` ([`Self::flush_dead`], which the caller runs once the ledger's
+    /// lock is released). A refusal while the connection goes down (the peer closed, the
+    /// queue pair is leaving) never gets here: the connection event comes first and the
+    /// endpoint's requests are flushed as for any close.
+    fn fail_refused(self: &Arc<Self>, l: &mut Ledger) {
+        let Some((_, err)) = l.refused.take() else {
+            return;
+        };
+        let start = l.sq.len() - l.pending;
+        let mut end = start;
+        while end < l.sq.len() {
+            let r = &mut l.sq[end];
+            end += 1;
+            r.unposted = false;
+            r.failed = Some((err.kind(), err.code()));
+            if r.user.is_some() {
+                break; // the end of the first held-back request
+            }
+        }
+        l.unposted.drain(..end - start);
+        l.pending -= end - start;
+        tracing::debug!(
+            qp = self.qpn,
+            "the device refused a request for {:?}: {err}",
+            Self::FLUSH_GRACE
+        );
+        self.leave(l, || {
+            EndpointEvent::Failed(Error::new(
+                err.kind(),
+                format!(
+                    "the device refused a request for {:?}: {err}",
+                    Self::FLUSH_GRACE
+                ),
+            ))
+        });
+        if !l.torn_down {
+            let _ = self.id.disconnect();
+        }
+        self.note_dead(l);
+    }
 
     /// Registers a dead endpoint with the RNR thread, which completes what the device
     /// never flushes (siw leaves fenced requests in its send queue when a Terminate
@@ -2674,13 +2748,15 @@ impl CompletionTarget<HwCq> for EpCore {
 
 /// What posting the first unposted group did.
 enum Posted {
-    /// The group left the unposted tail: on the device, or (refused after part of it
-    /// reached the device) the rest marked failed, to complete with the error in turn.
+    /// The group is on the device.
     Yes,
     /// Held back (credits, queue room, an emulated atomic's reply).
     Later,
     /// Nothing reached the device: the group is still the unposted tail.
     Refused(Error),
+    /// Part of the group reached the device, and the device refused the rest, which is
+    /// now the unposted tail.
+    Cut(Error),
 }
 
 /// A connected endpoint of a verbs provider. Dropping it closes the connection.

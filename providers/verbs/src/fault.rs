@@ -4,10 +4,11 @@
 //! provoked through the provider: it checks every request before posting, and rxe and siw
 //! accept what passes those checks. So the ledger's handling of a refusal
 //! (`post_next_group`: a synchronous post refused whole fails at once and leaves nothing
-//! behind; a group refused after its first requests completes with the error in turn; a
-//! held-back group refused whole stays held back for the RNR thread instead of being
-//! retried in a loop) is tested through this hook, on a real queue pair in the soft-RDMA
-//! guest (`providers/verbs/testsuite/conn_items.rs`).
+//! behind; the rest of a group refused after its first requests stays held back, as does
+//! a held-back group refused whole, retried by the RNR thread instead of in a loop; a
+//! refusal that lasts past the grace period fails the request and the endpoint) is
+//! tested through this hook, on a real queue pair in the soft-RDMA guest
+//! (`providers/verbs/testsuite/conn_items.rs`).
 //!
 //! The hook is process-wide: a test that arms it must be the only one posting meanwhile.
 
@@ -19,6 +20,8 @@ struct Refusal {
     at: usize,
     errno: i32,
     left: usize,
+    /// After the first refusal, refuse every chain whole (`at` 0).
+    then_whole: bool,
 }
 
 static ARMED: AtomicBool = AtomicBool::new(false);
@@ -29,11 +32,23 @@ static REFUSED: AtomicUsize = AtomicUsize::new(0);
 /// chain longer than `at`, with `errno` (`ibv_post_send`'s return); the requests before it
 /// reach the device. Shorter chains are posted as usual.
 pub fn refuse_posts(at: usize, errno: i32, times: usize) {
+    plan(at, errno, times, false);
+}
+
+/// Refuses the request at index `at` of the next chain longer than `at` (the requests
+/// before it reach the device), then every chain whole, until [`stop`]: a device that
+/// takes part of a group and then nothing more.
+pub fn refuse_rest(at: usize, errno: i32) {
+    plan(at, errno, usize::MAX, true);
+}
+
+fn plan(at: usize, errno: i32, times: usize, then_whole: bool) {
     let mut p = PLAN.lock().unwrap_or_else(|e| e.into_inner());
     *p = (times > 0).then_some(Refusal {
         at,
         errno,
         left: times,
+        then_whole,
     });
     ARMED.store(times > 0, Ordering::SeqCst);
 }
@@ -57,6 +72,9 @@ pub(crate) fn take(len: usize) -> Option<(usize, i32)> {
     let mut p = PLAN.lock().unwrap_or_else(|e| e.into_inner());
     let r = p.as_mut().filter(|r| r.at < len)?;
     let out = (r.at, r.errno);
+    if r.then_whole {
+        r.at = 0;
+    }
     r.left -= 1;
     if r.left == 0 {
         *p = None;
