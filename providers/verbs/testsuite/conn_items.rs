@@ -268,9 +268,10 @@ pub fn conn_items<F: Flavor>(d: VerbsDomain<F>, ip: IpAddr) {
 
 /// What the ledger does when the device refuses a post (`fabric_verbs::fault`, debug
 /// builds): refused whole, a post fails at once and leaves nothing behind; refused after
-/// part of its group reached the device, it completes with the error in turn; a held-back
-/// group refused whole stays held back for the RNR thread, retried at its pace, not in a
-/// loop, and goes once the device takes it.
+/// part of its group reached the device, the rest stays held back and goes once the
+/// device takes it; a held-back group refused whole stays held back for the RNR thread,
+/// retried at its pace, not in a loop, and goes once the device takes it; refused for
+/// good, the request fails after the grace period and the endpoint with it.
 #[cfg(debug_assertions)]
 fn refusals<F: Flavor>(d: &VerbsDomain<F>, ip: IpAddr, ccq: &VerbsCq<F>, scq: &VerbsCq<F>) {
     use fabric_verbs::fault;
