@@ -248,9 +248,13 @@ pub fn conn_items<F: Flavor>(d: VerbsDomain<F>, ip: IpAddr) {
     assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
 
     // An abandoned connection: the listener accepts it, then sees it closed by the
-    // provider's thread.
+    // provider's thread. Abandoned once its request reached the listener: dropped before
+    // (while the connection manager still resolves the route) no request is ever sent,
+    // and the accept below would wait for nothing (a fresh-clone CI run of 2c275da on
+    // rxe0).
     let l = d.listen(SocketAddr::new(ip, 0)).unwrap();
     let c = d.connect_start(l.local_addr(), &cfg(&ccq, 2)).unwrap();
+    assert!(wait_readable(l.as_fd(), T), "no connection request came");
     drop(c);
     let s = l.accept(&cfg(&scq, 3), T).unwrap();
     assert!(
