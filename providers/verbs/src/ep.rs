@@ -1403,8 +1403,7 @@ impl EpCore {
                     .is_some_and(|(t, _)| t.elapsed() >= Self::FLUSH_GRACE)
             {
                 self.fail_refused(&mut l);
-                drop(l);
-                self.flush_dead();
+                self.end_connection(l);
                 return true; // dead now: looked at again (`flush_stuck`)
             }
             let short = self.send_credit(&mut l);
@@ -1432,10 +1431,10 @@ impl EpCore {
     /// (docs/contract.md section 6: the first error completion does that), disconnecting
     /// the queue pair, which flushes what the device holds; the requests behind it
     /// complete `Flushed` ([`Self::flush_dead`], which the caller runs once the ledger's
-    /// lock is released). A refusal while the connection goes down (the peer closed, the
-    /// queue pair is leaving) never gets here: the connection event comes first and the
-    /// endpoint's requests are flushed as for any close.
-    fn fail_refused(self: &Arc<Self>, l: &mut Ledger) {
+    /// lock is released: [`Self::end_connection`]). A refusal while the connection goes
+    /// down (the peer closed, the queue pair is leaving) never gets here: the connection
+    /// event comes first and the endpoint's requests are flushed as for any close.
+    fn fail_refused(&self, l: &mut Ledger) {
         let Some((_, err)) = l.refused.take() else {
             return;
         };
@@ -1452,24 +1451,12 @@ impl EpCore {
         }
         l.unposted.drain(..end - start);
         l.pending -= end - start;
-        tracing::debug!(
-            qp = self.qpn,
+        let why = format!(
             "the device refused a request for {:?}: {err}",
             Self::FLUSH_GRACE
         );
-        self.leave(l, || {
-            EndpointEvent::Failed(Error::new(
-                err.kind(),
-                format!(
-                    "the device refused a request for {:?}: {err}",
-                    Self::FLUSH_GRACE
-                ),
-            ))
-        });
-        if !l.torn_down {
-            let _ = self.id.disconnect();
-        }
-        self.note_dead(l);
+        tracing::debug!(qp = self.qpn, "{why}");
+        self.leave(l, || EndpointEvent::Failed(Error::new(err.kind(), why)));
     }
 
     /// Registers a dead endpoint with the RNR thread, which completes what the device
@@ -2604,6 +2591,13 @@ impl EpCore {
             tracing::debug!(qp = self.qpn, ?event, "peer disconnected");
             self.leave(&mut l, || event);
         }
+        self.end_connection(l);
+    }
+
+    /// After the endpoint left `Connected`: disconnects the queue pair, registers the
+    /// dead endpoint with the RNR thread (what the device never flushes), and flushes
+    /// what was held back, once the ledger's lock is released.
+    fn end_connection(self: &Arc<Self>, mut l: RankedGuard<'_, Ledger>) {
         if !l.torn_down {
             // InfiniBand transports: this moves our queue pair to ERR, flushing it. Under
             // the ledger lock: teardown destroys the queue pair under it too.

@@ -1117,7 +1117,7 @@ impl Conn {
         {
             return None;
         }
-        let tx = self.tx.lock().expect("tx poisoned");
+        let mut tx = self.tx.lock().expect("tx poisoned");
         if tx.closed || !tx.is_idle() {
             return None;
         }
@@ -1141,19 +1141,8 @@ impl Conn {
         let h = Self::header_of(&mut st, send_kind());
         encode_fpdu(&mut bytes, &h, total, self.neg.crc, |b| copy_sges(&sges, b));
         let n = self.send_now(&bytes);
-        let mut tx = tx;
-        if n < acks_end {
-            tx.queue
-                .push_back(Queued::Tail(bytes[n..acks_end].to_vec(), None, false));
-        }
-        if n < bytes.len() {
-            // The socket is full: its writable edge brings progress back.
-            tx.queue.push_back(Queued::Tail(
-                bytes[n.max(acks_end)..].to_vec(),
-                Some(seq),
-                false,
-            ));
-        }
+        let ends = [(acks_end, None, false), (bytes.len(), Some(seq), false)];
+        queue_unsent(&mut tx, &bytes, n, &ends);
         drop(tx);
         st.sq.push_back(Pending {
             seq,
@@ -1438,23 +1427,7 @@ impl Conn {
         }
         st.spare_msgs = msgs;
         let n = self.send_now(&bytes);
-        {
-            let mut tx = self.tx.lock().expect("tx poisoned");
-            let mut start = 0;
-            for &(end, seq, inbound) in &ends {
-                if end > n {
-                    // The rest of each message, queued whole (the socket is full: its
-                    // writable edge brings progress back).
-                    tx.inbound += u32::from(inbound);
-                    tx.queue.push_back(Queued::Tail(
-                        bytes[start.max(n)..end].to_vec(),
-                        seq,
-                        inbound,
-                    ));
-                }
-                start = end;
-            }
-        }
+        queue_unsent(&mut self.tx.lock().expect("tx poisoned"), &bytes, n, &ends);
         for &(end, seq, _) in &ends {
             if let (true, Some(seq)) = (end <= n, seq) {
                 self.mark_sent(st, seq);
@@ -1532,11 +1505,8 @@ impl Conn {
                 }
                 return;
             }
-            tx.inbound += u32::from(m.inbound);
-            tx.queue
-                .push_back(Queued::Tail(bytes[n..].to_vec(), m.sent_seq, m.inbound));
+            queue_unsent(&mut tx, &bytes, n, &[(bytes.len(), m.sent_seq, m.inbound)]);
             Self::keep_spare(st, bytes);
-            // The socket is full: its writable edge brings progress back.
             return;
         }
         tx.inbound += u32::from(m.inbound);
@@ -1977,6 +1947,26 @@ impl Conn {
         }
         self.drain_sq(st);
         Ok(())
+    }
+}
+
+/// Queues what a `send` of the encoded messages `bytes` did not take (it took `n` bytes):
+/// the rest of each message whole, in order, each with what its last byte leaving means
+/// (`ends`: where each message ends in `bytes`, its send-queue sequence number, whether it
+/// is a response counted against the IRD). The socket is full: its writable edge brings
+/// progress back.
+fn queue_unsent(tx: &mut TxQueue, bytes: &[u8], n: usize, ends: &[(usize, Option<u64>, bool)]) {
+    let mut start = 0;
+    for &(end, seq, inbound) in ends {
+        if end > n {
+            tx.inbound += u32::from(inbound);
+            tx.queue.push_back(Queued::Tail(
+                bytes[start.max(n)..end].to_vec(),
+                seq,
+                inbound,
+            ));
+        }
+        start = end;
     }
 }
 
