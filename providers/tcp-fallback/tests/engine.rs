@@ -526,3 +526,81 @@ fn polls_hold_a_deferred_ack_for_the_next_message_to_that_peer() {
     }
     assert_eq!(out.pop().unwrap().context, 5000);
 }
+
+/// Small sends go out on the direct path (one `send` each, straight from the gather list)
+/// until the socket is full: a send the kernel takes only part of has its rest queued, and
+/// the sends behind it wait behind that rest. 1 024 sends of 16 KiB to a peer that posts
+/// no receive (it buffers 8 MiB as unexpected, then stops reading) fill the socket on the
+/// way; once the peer posts its receives, every message arrives whole and in order and
+/// every send completes.
+#[test]
+fn small_sends_that_fill_the_socket_arrive_whole_and_in_order() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    const N: usize = 1024;
+    const LEN: usize = 16 << 10;
+    let domain = TcpDomain::open(TcpOptions::default()).unwrap();
+    let cq_a = domain.create_cq(2 * N).unwrap();
+    let cq_b = domain.create_cq(2 * N).unwrap();
+    let listener = domain.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = listener.local_addr();
+    let cfg = |cq| {
+        let mut c = EndpointConfig::new(cq);
+        c.sq_depth = 2 * N as u32;
+        c.rq_depth = 2 * N as u32;
+        c
+    };
+    let (a, b) = std::thread::scope(|s| {
+        let t = s.spawn(|| {
+            listener
+                .accept(&cfg(&cq_b), Duration::from_secs(10))
+                .unwrap()
+        });
+        let a = domain.connect(addr, &cfg(&cq_a)).unwrap();
+        (a, t.join().unwrap())
+    });
+    let pattern = |i: usize| -> Vec<u8> { (0..LEN).map(|j| (i * 7 + j / 8) as u8).collect() };
+    let src = domain
+        .register(Arc::new(Buffer::new(N * LEN)), Access::empty())
+        .unwrap();
+    let dst = domain
+        .register(Arc::new(Buffer::new(N * LEN)), Access::LOCAL_WRITE)
+        .unwrap();
+    for i in 0..N {
+        src.buffer().write(i * LEN, &pattern(i));
+        a.post_send(&SendWr::send(
+            i as u64,
+            &[src.slice(i * LEN..(i + 1) * LEN).unwrap()],
+        ))
+        .unwrap();
+    }
+    for i in 0..N {
+        b.post_recv(&fabric_api::RecvWr::new(
+            i as u64,
+            &[dst.slice(i * LEN..(i + 1) * LEN).unwrap()],
+        ))
+        .unwrap();
+    }
+    let (mut sent, mut got) = (Vec::new(), Vec::new());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while sent.len() < N || got.len() < N {
+        assert!(
+            Instant::now() < deadline,
+            "{} sends and {} receives completed",
+            sent.len(),
+            got.len()
+        );
+        cq_a.poll(&mut sent, 64).unwrap();
+        cq_b.poll(&mut got, 64).unwrap();
+    }
+    for (i, (s, r)) in sent.iter().zip(&got).enumerate() {
+        assert_eq!((s.context, s.status), (i as u64, Status::Success));
+        assert_eq!(
+            (r.context, r.status, r.byte_len),
+            (i as u64, Status::Success, LEN as u64)
+        );
+        assert!(
+            dst.buffer().to_vec(i * LEN, LEN) == pattern(i),
+            "message {i} differs"
+        );
+    }
+}

@@ -1428,10 +1428,9 @@ impl EpCore {
     /// The device has refused the first held-back request for [`Self::FLUSH_GRACE`] on
     /// a connected endpoint (not a full queue: [`Ledger::refused`]): it will not take it.
     /// The request fails with the device's error and the endpoint enters the error state
-    /// (docs/contract.md section 6: the first error completion does that), disconnecting
-    /// the queue pair, which flushes what the device holds; the requests behind it
-    /// complete `Flushed` ([`Self::flush_dead`], which the caller runs once the ledger's
-    /// lock is released: [`Self::end_connection`]). A refusal while the connection goes
+    /// (docs/contract.md section 6: the first error completion does that). The caller then
+    /// ends the connection ([`Self::end_connection`]): the queue pair disconnects, which
+    /// flushes what the device holds, and the requests behind it complete `Flushed`. A refusal while the connection goes
     /// down (the peer closed, the queue pair is leaving) never gets here: the connection
     /// event comes first and the endpoint's requests are flushed as for any close.
     fn fail_refused(&self, l: &mut Ledger) {
