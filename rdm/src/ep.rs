@@ -239,6 +239,13 @@ pub struct ProbeInfo {
 pub struct Claimed(u64);
 
 const RECV_BIT: u64 = 1 << 63;
+/// The context of an unsignaled wire send: this bit over its connection's key. Such a send
+/// completes only in error (the contract's "an error always completes"), and then names
+/// the connection that failed.
+const UNSIG_BIT: u64 = 1 << 62;
+/// At most this many wire sends in a row go unsignaled (and half the send queue, at most):
+/// the next one is signaled, and its completion frees their slots too.
+const SIGNAL_EVERY: u32 = 16;
 /// Credits kept back from data messages (for acknowledgements and credit returns).
 const RESERVE: u32 = 3;
 const SLOTS_PER_CHUNK: usize = 64;
@@ -372,6 +379,12 @@ struct Conn {
     ctrl: VecDeque<Header>,
     data: VecDeque<PendingData>,
     reads: VecDeque<PendingRead>,
+    /// Send slots of unsignaled wire sends still on the send queue, in post order: a later
+    /// signaled request's completion frees them (a queue completes in post order).
+    unsig: VecDeque<usize>,
+    /// How many of the last entries of `unsig` no signaled request posted after them
+    /// covers yet ([`RdmEndpoint::flush`] sends one to cover them).
+    uncovered: u32,
     /// We sent `ByeAck`: nothing more goes out on this connection.
     quiet: bool,
     /// We sent `Bye` and wait for `ByeAck`.
@@ -382,10 +395,12 @@ struct Conn {
 
 #[derive(Debug)]
 enum Inflight {
+    /// A signaled wire message; its completion also frees the first `covers` slots of
+    /// the connection's unsignaled sends, which were posted before it.
     Wire {
         conn: u64,
         slot: usize,
-        op: Option<u64>,
+        covers: u32,
     },
     Rma {
         conn: u64,
@@ -498,9 +513,9 @@ struct Inner {
     /// buffer's index (20 bits) and under [`RECV_BIT`].
     conns: Slab<Conn, 20, 23>,
     cq_reserved: usize,
-    /// Requests on the connections' send queues, by their context (keys below 2^63:
-    /// never [`RECV_BIT`]).
-    inflight: Slab<Inflight, 32, 31>,
+    /// Signaled requests on the connections' send queues, by their context (keys below
+    /// 2^62: never [`RECV_BIT`] nor [`UNSIG_BIT`]).
+    inflight: Slab<Inflight, 32, 30>,
     /// Operations in progress; their keys are the `op` of wire headers (a peer echoes them
     /// in acknowledgements and FINs) and [`RecvId`]s.
     ops: Slab<UserOp, 32, 31>,
@@ -992,10 +1007,28 @@ impl RdmEndpoint {
             {
                 let mut g = lock(&self.inner);
                 g.progress()?;
+                // Unsignaled sends that nothing signaled follows would never be seen to
+                // complete: a credit message (signaled, whatever it returns) covers them.
+                let bare: Vec<u64> = g
+                    .conns
+                    .iter()
+                    .filter(|(_, c)| {
+                        c.uncovered > 0
+                            && !c.quiet
+                            && !c.ctrl.iter().any(|h| h.kind == Kind::Credit)
+                    })
+                    .map(|(k, _)| k)
+                    .collect();
+                for id in bare {
+                    let c = g.conns.get_mut(&id).expect("listed");
+                    c.ctrl.push_back(Header::new(Kind::Credit));
+                    g.flush(id);
+                }
                 let sending = g
                     .inflight
                     .values()
-                    .any(|f| matches!(f, Inflight::Wire { .. }));
+                    .any(|f| matches!(f, Inflight::Wire { .. }))
+                    || g.conns.values().any(|c| !c.unsig.is_empty());
                 let owed = g.conns.values().any(|c| !c.ctrl.is_empty());
                 if !sending && !owed {
                     return Ok(true);
@@ -1382,6 +1415,8 @@ impl Inner {
             ctrl: VecDeque::new(),
             data: VecDeque::new(),
             reads: VecDeque::new(),
+            unsig: VecDeque::new(),
+            uncovered: 0,
             quiet: false,
             bye_sent: false,
             bye_acked: false,
@@ -1778,7 +1813,7 @@ impl Inner {
                     Kind::Credit | Kind::Bye | Kind::ByeAck => 1,
                     _ => 2,
                 };
-                if h.kind == Kind::Credit && c.to_return == 0 {
+                if h.kind == Kind::Credit && c.to_return == 0 && c.uncovered == 0 {
                     c.ctrl.pop_front();
                     continue;
                 }
@@ -1898,24 +1933,37 @@ impl Inner {
             None => 0,
         };
         region.buffer().write(off, tmp);
+        // An eager payload goes unsignaled, up to a run of `every`: its completion would
+        // only free its slot, which the next signaled request's completion does as well.
+        // Control messages and rendezvous requests are signaled: they are rarer, and one
+        // of them covers the unsignaled sends before it when the data stops
+        // (`RdmEndpoint::flush`).
+        let every = (self.cfg.sq_depth / 2).clamp(1, SIGNAL_EVERY);
+        let signaled = payload.is_none() || c.uncovered + 1 >= every;
         // The request's context: its key once kept (below, after a successful post).
-        let id = self.inflight.vacant_key();
+        let id = if signaled {
+            self.inflight.vacant_key()
+        } else {
+            UNSIG_BIT | conn
+        };
         let s = region
             .slice(off..off + HDR_LEN + plen)
             .expect("slot in range");
-        match c.ep.post_send(&SendWr::send(id, &[s])) {
+        let sgl = [s];
+        let wr = SendWr::send(id, &sgl);
+        let wr = if signaled { wr } else { wr.unsignaled() };
+        match c.ep.post_send(&wr) {
             Ok(()) => {
                 c.to_return -= give;
                 c.credits -= 1;
                 c.sq_inflight += 1;
-                self.inflight_keep(
-                    id,
-                    Inflight::Wire {
-                        conn,
-                        slot,
-                        op: None,
-                    },
-                );
+                if signaled {
+                    let covers = std::mem::take(&mut c.uncovered);
+                    self.inflight_keep(id, Inflight::Wire { conn, slot, covers });
+                } else {
+                    c.unsig.push_back(slot);
+                    c.uncovered += 1;
+                }
                 // The payload is copied: the buffer may be reused. What the operation still
                 // awaits (an acknowledgement, a FIN) fails with the connection.
                 if let Some(op) = op {
@@ -1961,6 +2009,14 @@ impl Inner {
             let idx = (c.context & ((1 << 20) - 1)) as usize;
             return self.handle_recv(conn, idx, c);
         }
+        if c.context & UNSIG_BIT != 0 {
+            // An unsignaled send completes only in error; its slot is freed with the
+            // connection's.
+            if let Status::Error(k) = c.status {
+                self.conn_failed(c.context & !UNSIG_BIT, k);
+            }
+            return;
+        }
         let Some(f) = self.inflight.remove(&c.context) else {
             return;
         };
@@ -1969,23 +2025,18 @@ impl Inner {
             Status::Error(k) => Some(k),
         };
         match f {
-            Inflight::Wire { conn, slot, op } => {
+            Inflight::Wire { conn, slot, covers } => {
                 self.slots.free.push(slot);
-                if let Some(cn) = self.conns.get_mut(&conn) {
-                    cn.sq_inflight -= 1;
+                if let Some(k) = kind {
+                    return self.conn_failed(conn, k);
                 }
-                match kind {
-                    None => {
-                        if let Some(op) = op {
-                            self.step(op);
-                        }
-                    }
-                    Some(k) => {
-                        if let Some(op) = op {
-                            self.fail_op(op, k);
-                        }
-                        self.conn_failed(conn, k);
-                    }
+                if let Some(cn) = self.conns.get_mut(&conn) {
+                    cn.sq_inflight -= 1 + covers;
+                    let n = covers as usize;
+                    debug_assert!(n <= cn.unsig.len(), "covers more than was unsignaled");
+                    self.slots
+                        .free
+                        .extend(cn.unsig.drain(..n.min(cn.unsig.len())));
                 }
                 self.flush(conn);
             }
@@ -2184,15 +2235,11 @@ impl Inner {
             .collect();
         for id in ids {
             match self.inflight.remove(&id).expect("listed") {
-                Inflight::Wire { slot, op, .. } => {
-                    self.slots.free.push(slot);
-                    if let Some(op) = op {
-                        self.fail_op(op, kind);
-                    }
-                }
+                Inflight::Wire { slot, .. } => self.slots.free.push(slot),
                 Inflight::Rma { op, .. } | Inflight::Read { op, .. } => self.fail_op(op, kind),
             }
         }
+        self.slots.free.extend(c.unsig);
         for d in c.data {
             self.fail_op(d.op, kind);
         }

@@ -177,3 +177,44 @@ fn eager_sends_complete_with_their_fields_on_the_direct_and_the_queued_path() {
         );
     }
 }
+
+/// Most eager sends go unsignaled on the wire: a later signaled request's completion frees
+/// their send slots, and `flush` sends one (a credit message) when nothing signaled
+/// follows the last of them. A slot that leaked would grow the bounce chunks (64 slots
+/// each); a tail that nothing covered would keep `flush` waiting until its timeout.
+#[test]
+fn unsignaled_eager_sends_free_their_slots_and_flush_covers_the_last_ones() {
+    let (da, db, a, b, ab, ba) = two();
+    let src = da.alloc(8, Access::LOCAL_WRITE).unwrap();
+    let sink = Arc::new(db.alloc(8, Access::LOCAL_WRITE).unwrap());
+    let (mut oa, mut ob) = (Vec::new(), Vec::new());
+    // 1 000 messages one at a time, then a tail of 3: fewer than a run of unsignaled
+    // sends, so nothing the data sends covers them.
+    for i in 0..1003u64 {
+        src.buffer().write(0, &i.to_le_bytes());
+        a.tsend(ab, 7, src.slice(0..8).unwrap(), i).unwrap();
+        b.trecv(Source::Peer(ba), 7, 0, RecvBuf::whole(sink.clone()), i)
+            .unwrap();
+        let got = until(&b, &a, &mut ob, i);
+        assert_eq!(got.len, 8);
+        assert_eq!(sink.buffer().to_vec(0, 8), i.to_le_bytes(), "message {i}");
+        a.poll(&mut oa).unwrap();
+        oa.clear();
+    }
+    assert_eq!(
+        a.stats().bounce_chunks,
+        1,
+        "send slots leaked: {:?}",
+        a.stats()
+    );
+    let t = Instant::now();
+    assert!(
+        a.flush(Duration::from_secs(10)).unwrap(),
+        "flush gave up with unsignaled sends outstanding"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "flush took {:?}",
+        t.elapsed()
+    );
+}
