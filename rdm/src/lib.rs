@@ -107,6 +107,14 @@
 //! read it (rendezvous, `FIN`). An eager send that completed and was then lost with its
 //! connection is not reported again (as with libfabric's inject completion).
 //!
+//! On the wire, eager messages go unsignaled in runs of up to 16 (at most half the send
+//! queue): a completion would only free the bounce buffer, and the next signaled request's
+//! completion frees those before it too, since a send queue completes in post order.
+//! Control messages and rendezvous requests are always signaled, and
+//! [`RdmEndpoint::flush`] sends a credit message to cover a last run that nothing signaled
+//! follows. An unsignaled send that fails still completes (every provider reports errors),
+//! and fails its connection like any other.
+//!
 //! # Flow control
 //! Each connection posts [`RdmConfig::recv_depth`] receive buffers, and a sender holds one
 //! credit per buffer; every header returns the credits its sender reposted since its last
