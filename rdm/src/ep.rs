@@ -243,8 +243,9 @@ const RECV_BIT: u64 = 1 << 63;
 /// completes only in error (the contract's "an error always completes"), and then names
 /// the connection that failed.
 const UNSIG_BIT: u64 = 1 << 62;
-/// At most this many wire sends in a row go unsignaled (and half the send queue, at most):
-/// the next one is signaled, and its completion frees their slots too.
+/// At least one wire send in this many (and in half the send queue) is signaled: at most
+/// `SIGNAL_EVERY - 1` go unsignaled in a row, and the next one's completion frees their
+/// slots too.
 const SIGNAL_EVERY: u32 = 16;
 /// Credits kept back from data messages (for acknowledgements and credit returns).
 const RESERVE: u32 = 3;
@@ -1933,7 +1934,7 @@ impl Inner {
             None => 0,
         };
         region.buffer().write(off, tmp);
-        // An eager payload goes unsignaled, up to a run of `every`: its completion would
+        // An eager payload goes unsignaled, in runs shorter than `every`: its completion would
         // only free its slot, which the next signaled request's completion does as well.
         // Control messages and rendezvous requests are signaled: they are rarer, and one
         // of them covers the unsignaled sends before it when the data stops

@@ -107,7 +107,7 @@
 //! read it (rendezvous, `FIN`). An eager send that completed and was then lost with its
 //! connection is not reported again (as with libfabric's inject completion).
 //!
-//! On the wire, eager messages go unsignaled in runs of up to 16 (at most half the send
+//! On the wire, eager messages go unsignaled in runs of up to 15 (and under half the send
 //! queue): a completion would only free the bounce buffer, and the next signaled request's
 //! completion frees those before it too, since a send queue completes in post order.
 //! Control messages and rendezvous requests are always signaled, and

@@ -1430,9 +1430,10 @@ impl EpCore {
     /// The request fails with the device's error and the endpoint enters the error state
     /// (docs/contract.md section 6: the first error completion does that). The caller then
     /// ends the connection ([`Self::end_connection`]): the queue pair disconnects, which
-    /// flushes what the device holds, and the requests behind it complete `Flushed`. A refusal while the connection goes
-    /// down (the peer closed, the queue pair is leaving) never gets here: the connection
-    /// event comes first and the endpoint's requests are flushed as for any close.
+    /// flushes what the device holds, and the requests behind it complete `Flushed`. A
+    /// refusal while the connection goes down (the peer closed, the queue pair is leaving)
+    /// never gets here: the connection event comes first and the endpoint's requests are
+    /// flushed as for any close.
     fn fail_refused(&self, l: &mut Ledger) {
         let Some((_, err)) = l.refused.take() else {
             return;
