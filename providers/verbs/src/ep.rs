@@ -489,6 +489,10 @@ pub(crate) struct EpCore {
     /// ([`EndpointConfig::ep_context`](fabric_api::spi::EndpointConfig::ep_context)),
     /// carried by every completion of it, the provider's own included.
     pub ep_context: u64,
+    /// Sends and writes may take [`post_direct`](Self::post_direct): nothing about this
+    /// connection (emulation, credits, delivery reads, the page-crossing workaround)
+    /// makes a request more than the one hardware request the application asked for.
+    direct: bool,
     /// Connection events: one per change of the ledger's `status` (pushed by
     /// [`EpCore::leave`], the one place that changes it). A leaf lock: pushed under the
     /// ledger's lock.
@@ -669,6 +673,11 @@ impl EpCore {
         let peer =
             p.id.peer_addr()
                 .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
+        let prof = &p.dom.profile;
+        let direct = p.credit.is_none()
+            && p.emu.is_none()
+            && !prof.delivery_reads
+            && !prof.small_page_crossing;
         let core = Arc::new(EpCore {
             id: p.id,
             qpn,
@@ -687,6 +696,7 @@ impl EpCore {
             foreign: p.foreign,
             early: p.early,
             ep_context: p.ep_context,
+            direct,
             events: EndpointEvents::new(),
             st: Ranked::new(
                 Rank::Endpoint,
@@ -1125,6 +1135,11 @@ impl EpCore {
     // ----- posting ----------------------------------------------------------------------
 
     pub fn post_send(self: &Arc<Self>, wr: &SendWr<'_>) -> Result<()> {
+        if self.direct {
+            if let Some(r) = self.post_direct(wr) {
+                return r;
+            }
+        }
         let plan = self.plan(wr)?;
         {
             let l = self.lock();
@@ -1201,6 +1216,105 @@ impl EpCore {
         self.release_pending(&mut l);
         self.note_blocked(&mut l);
         Ok(())
+    }
+
+    /// The direct path of [`post_send`](Self::post_send): a send or write that is one
+    /// hardware request as the application gave it, on a connection with nothing held
+    /// back, goes to the device from here, built on the stack. Returns `None`, having
+    /// changed nothing, for anything else: the ledger's path plans it, holds it back, or
+    /// reports what is wrong with it.
+    ///
+    /// Only where [`direct`](Self::direct) is set: no emulation, no credits, no delivery
+    /// reads, no page-crossing workaround, so that the request is exactly what the
+    /// ledger's path would post. An inline payload is not copied first: nothing holds it
+    /// back, so the device library copies it from registered memory during the call.
+    fn post_direct(self: &Arc<Self>, wr: &SendWr<'_>) -> Option<Result<()>> {
+        let (sgl, op) = match wr.op {
+            SendOp::Send { sgl, imm } => (sgl, HwOp::Send { imm }),
+            SendOp::Write { sgl, remote, imm } => (
+                sgl,
+                HwOp::Write {
+                    addr: remote.addr,
+                    rkey: remote.key,
+                    imm,
+                },
+            ),
+            _ => return None,
+        };
+        let imm = matches!(
+            op,
+            HwOp::Send { imm: Some(_) } | HwOp::Write { imm: Some(_), .. }
+        );
+        if sgl.len() > ffi::ONE_SGES || (imm && !self.dom.profile.immediate) {
+            return None;
+        }
+        #[cfg(debug_assertions)]
+        if crate::fault::armed() {
+            return None;
+        }
+        let inline = wr.flags.contains(SendFlags::INLINE);
+        let (sges, holds, total) = match self.sges(sgl, Access::empty()) {
+            Ok(x) => x,
+            Err(e) => return Some(Err(e)),
+        };
+        if inline && total > u64::from(self.dom.limits.max_inline) {
+            return None;
+        }
+        if self.send_cq.reserve(0).is_err() {
+            return None;
+        }
+        let mut l = self.lock();
+        if l.status != EndpointState::Connected
+            || l.torn_down
+            || l.pending > 0
+            || l.user_sq >= self.sq_depth
+            || l.hw_sq >= self.hw_sq_cap
+        {
+            drop(l);
+            self.send_cq.release(1);
+            return None;
+        }
+        let seq = l.next_seq;
+        // SAFETY: every entry names memory registered in this domain (checked by `sges`),
+        // held by the record pushed below until it completes or the queue pair is
+        // destroyed (teardown destroys it before dropping records); an inline payload is
+        // read during the call, while `wr` borrows it.
+        #[allow(unsafe_code)]
+        let posted = unsafe {
+            self.id
+                .post_one(seq, op, &sges, inline, wr.flags.contains(SendFlags::FENCE))
+        };
+        if let Err(e) = posted {
+            // Nothing reached the device: the request never existed (as on the ledger's
+            // path, whose first group this would have been).
+            drop(l);
+            self.send_cq.release(1);
+            return Some(Err(post_error(&e)));
+        }
+        let is_send = matches!(op, HwOp::Send { .. });
+        l.next_seq += 1;
+        l.sq.push_back(SqRec {
+            seq,
+            unposted: false,
+            grouped: true,
+            user: Some(UserRec {
+                context: wr.context,
+                opcode: wr.opcode(),
+                signaled: wr.flags.contains(SendFlags::SIGNALED),
+                byte_len: total,
+            }),
+            internal: false,
+            is_send,
+            failed: None,
+            group_err: None,
+            emu: None,
+            _holds: if inline { Holds::new() } else { holds },
+        });
+        l.user_sq += 1;
+        l.hw_sq += 1;
+        l.sends_hw += u64::from(is_send);
+        l.refused = None;
+        Some(Ok(()))
     }
 
     /// Posts held-back groups in order while credits and queue room allow.

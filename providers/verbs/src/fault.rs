@@ -63,6 +63,12 @@ pub fn refused() -> usize {
     REFUSED.load(Ordering::SeqCst)
 }
 
+/// Whether a refusal is planned: the endpoint's direct path steps aside for the ledger's,
+/// which asks [`take`].
+pub(crate) fn armed() -> bool {
+    ARMED.load(Ordering::Relaxed)
+}
+
 /// For the ledger, about to post a chain of `len` requests: where the device refuses it,
 /// and with which `errno`, if it does.
 pub(crate) fn take(len: usize) -> Option<(usize, i32)> {

@@ -1042,6 +1042,85 @@ fn gather_lists(wrs: &[HwWr]) -> (ChainSges, ChainSpans) {
     (sges, spans)
 }
 
+/// Most gather entries [`CmId::post_one`] takes (its list lives on the stack).
+pub(crate) const ONE_SGES: usize = 4;
+
+/// The flags of a hardware request: always signaled (see [`HwWr`]), inline and fenced as
+/// asked.
+fn send_flags(inline: bool, fence: bool) -> u32 {
+    let mut flags = 2u32; // IBV_SEND_SIGNALED
+    if inline {
+        flags |= 8; // IBV_SEND_INLINE
+    }
+    if fence {
+        flags |= 1; // IBV_SEND_FENCE
+    }
+    flags
+}
+
+/// Fills in a request's opcode, immediate data and remote operands for `op`.
+fn fill_op(r: &mut sys::ibv_send_wr, op: HwOp) {
+    use sys::ibv_wr_opcode as code;
+    match op {
+        HwOp::Send { imm } => {
+            r.opcode = if imm.is_some() {
+                code::IBV_WR_SEND_WITH_IMM
+            } else {
+                code::IBV_WR_SEND
+            };
+            r.imm_data_invalidated_rkey_union.imm_data = imm.unwrap_or(0).to_be();
+        }
+        HwOp::Write { addr, rkey, imm } => {
+            r.opcode = if imm.is_some() {
+                code::IBV_WR_RDMA_WRITE_WITH_IMM
+            } else {
+                code::IBV_WR_RDMA_WRITE
+            };
+            r.imm_data_invalidated_rkey_union.imm_data = imm.unwrap_or(0).to_be();
+            r.wr.rdma = sys::rdma_t {
+                remote_addr: addr,
+                rkey,
+            };
+        }
+        HwOp::Read { addr, rkey } => {
+            r.opcode = code::IBV_WR_RDMA_READ;
+            r.wr.rdma = sys::rdma_t {
+                remote_addr: addr,
+                rkey,
+            };
+        }
+        HwOp::FetchAdd { addr, rkey, add } => {
+            r.opcode = code::IBV_WR_ATOMIC_FETCH_AND_ADD;
+            r.wr.atomic = sys::atomic_t {
+                remote_addr: addr,
+                compare_add: add,
+                swap: 0,
+                rkey,
+            };
+        }
+        HwOp::CompareSwap {
+            addr,
+            rkey,
+            compare,
+            swap,
+        } => {
+            r.opcode = code::IBV_WR_ATOMIC_CMP_AND_SWP;
+            r.wr.atomic = sys::atomic_t {
+                remote_addr: addr,
+                compare_add: compare,
+                swap,
+                rkey,
+            };
+        }
+    }
+}
+
+/// A post's error as an `io::Error` (`ibv_post_send` and `ibv_post_recv` return an errno,
+/// positive or negative by device library).
+fn post_errno(rc: i32) -> io::Error {
+    io::Error::from_raw_os_error(rc.abs())
+}
+
 impl CmId {
     pub fn new(ch: &EventChannel) -> io::Result<CmId> {
         let mut id = ptr::null_mut();
@@ -1279,67 +1358,8 @@ impl CmId {
                 unsafe { sge_base.add(at) }
             };
             r.num_sge = n as i32;
-            let mut flags = 2u32; // IBV_SEND_SIGNALED
-            if w.inline.is_some() {
-                flags |= 8; // IBV_SEND_INLINE
-            }
-            if w.fence {
-                flags |= 1; // IBV_SEND_FENCE
-            }
-            r.send_flags = flags;
-            use sys::ibv_wr_opcode as op;
-            match w.op {
-                HwOp::Send { imm } => {
-                    r.opcode = if imm.is_some() {
-                        op::IBV_WR_SEND_WITH_IMM
-                    } else {
-                        op::IBV_WR_SEND
-                    };
-                    r.imm_data_invalidated_rkey_union.imm_data = imm.unwrap_or(0).to_be();
-                }
-                HwOp::Write { addr, rkey, imm } => {
-                    r.opcode = if imm.is_some() {
-                        op::IBV_WR_RDMA_WRITE_WITH_IMM
-                    } else {
-                        op::IBV_WR_RDMA_WRITE
-                    };
-                    r.imm_data_invalidated_rkey_union.imm_data = imm.unwrap_or(0).to_be();
-                    r.wr.rdma = sys::rdma_t {
-                        remote_addr: addr,
-                        rkey,
-                    };
-                }
-                HwOp::Read { addr, rkey } => {
-                    r.opcode = op::IBV_WR_RDMA_READ;
-                    r.wr.rdma = sys::rdma_t {
-                        remote_addr: addr,
-                        rkey,
-                    };
-                }
-                HwOp::FetchAdd { addr, rkey, add } => {
-                    r.opcode = op::IBV_WR_ATOMIC_FETCH_AND_ADD;
-                    r.wr.atomic = sys::atomic_t {
-                        remote_addr: addr,
-                        compare_add: add,
-                        swap: 0,
-                        rkey,
-                    };
-                }
-                HwOp::CompareSwap {
-                    addr,
-                    rkey,
-                    compare,
-                    swap,
-                } => {
-                    r.opcode = op::IBV_WR_ATOMIC_CMP_AND_SWP;
-                    r.wr.atomic = sys::atomic_t {
-                        remote_addr: addr,
-                        compare_add: compare,
-                        swap,
-                        rkey,
-                    };
-                }
-            }
+            r.send_flags = send_flags(w.inline.is_some(), w.fence);
+            fill_op(r, w.op);
         }
         let base = raw.as_mut_ptr();
         for i in 0..raw.len() - 1 {
@@ -1358,10 +1378,59 @@ impl CmId {
         } else {
             (bad as usize - base as usize) / std::mem::size_of::<sys::ibv_send_wr>()
         };
-        Err((
-            posted,
-            io::Error::from_raw_os_error(if rc > 0 { rc } else { -rc }),
-        ))
+        Err((posted, post_errno(rc)))
+    }
+
+    /// Posts one request, built on the stack from its parts: the endpoint's direct path
+    /// (no chain, no [`HwWr`]). An inline request names its payload where it lies: the
+    /// device library copies it during the call, as it copies an [`Inline`] for
+    /// [`post_send`](Self::post_send).
+    ///
+    /// # Safety
+    /// At most [`ONE_SGES`] entries. Each names memory registered in this domain that stays
+    /// alive until the request completes or the queue pair is destroyed (inline: during
+    /// the call).
+    pub unsafe fn post_one(
+        &self,
+        wr_id: u64,
+        op: HwOp,
+        sges: &[Sge],
+        inline: bool,
+        fence: bool,
+    ) -> io::Result<()> {
+        let mut list = [sys::ibv_sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        }; ONE_SGES];
+        let n = sges.len().min(ONE_SGES);
+        for (d, s) in list.iter_mut().zip(&sges[..n]) {
+            *d = sys::ibv_sge {
+                addr: s.addr,
+                length: s.len,
+                lkey: s.lkey,
+            };
+        }
+        // SAFETY: all-zero is a valid (empty) send request; filled in below.
+        let mut r: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+        r.wr_id = wr_id;
+        r.sg_list = if n == 0 {
+            ptr::null_mut()
+        } else {
+            list.as_mut_ptr()
+        };
+        r.num_sge = n as i32;
+        r.send_flags = send_flags(inline, fence);
+        fill_op(&mut r, op);
+        let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
+        // SAFETY: the QP is live; `r` and `list` outlive the call; the caller guarantees
+        // the named memory outlives the request.
+        let rc = unsafe { sys::ibv_post_send(self.qp(), &mut r, &mut bad) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(post_errno(rc))
+        }
     }
 
     /// Posts one receive.
@@ -1395,7 +1464,7 @@ impl CmId {
         if rc == 0 {
             Ok(())
         } else {
-            Err(io::Error::from_raw_os_error(if rc > 0 { rc } else { -rc }))
+            Err(post_errno(rc))
         }
     }
 
