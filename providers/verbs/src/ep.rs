@@ -2461,11 +2461,12 @@ impl EpCore {
 
     /// The common case of [`handle_completion`](Self::handle_completion): a successful
     /// completion of the oldest request of its queue, on a connected endpoint with nothing
-    /// held back and no emulation. Does what the general path does for it, without the
-    /// searches and checks that only errors, emulation and held-back requests need.
-    /// Returns false, having changed nothing, for anything else.
+    /// held back, of a connection that takes the [direct](Self::direct) path (no
+    /// emulation, no credits to send back). Does what the general path does for it,
+    /// without the searches and checks that only errors, emulation, credits and held-back
+    /// requests need. Returns false, having changed nothing, for anything else.
     fn complete_in_order(&self, l: &mut Ledger, cq: &CqInner, cst: &mut CqState, w: &Wc) -> bool {
-        if self.emu.is_some()
+        if !self.direct
             || l.status != EndpointState::Connected
             || l.pending > 0
             || is_early(w.wr_id)
