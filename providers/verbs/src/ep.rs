@@ -100,7 +100,7 @@ type WcError = (ErrorKind, Option<ProviderCode>);
 type EarlyApp = (u64, Vec<(RegionRef, usize, usize)>);
 
 /// How long an accept waits for the hello mark of a peer whose request had no frame of
-/// this framework and that sends nothing (see [`CreditArea::hello`]).
+/// this framework and that sends nothing (see [`CreditArea::hello_seen`]).
 pub(crate) const HELLO_WAIT: Duration = Duration::from_secs(5);
 
 /// An early receive's state: the message that landed (length, error), and the
@@ -546,7 +546,8 @@ type Holds = SmallVec<[RegionRef; 2]>;
 /// record: a send or write with an emulation record and a delivery read fits in place.
 type Planned = SmallVec<[(HwWr, Option<EmuRec>); 3]>;
 
-/// Page size of the registered-memory layout that [`Profile::small_page_crossing`] is about.
+/// Page size of the registered-memory layout that
+/// [`Profile::small_page_crossing`](crate::Profile::small_page_crossing) is about.
 const PAGE: u64 = 4096;
 /// Largest payload siw copies into its packet header directly (`MAX_HDR_INLINE` in Linux
 /// 6.1 `siw_qp_tx.c`: 32 bytes), the copy that garbles a page crossing.
@@ -554,8 +555,9 @@ const SMALL_PAYLOAD: u32 = 32;
 
 /// Works around a device that garbles a payload of at most [`SMALL_PAYLOAD`] bytes
 /// from registered memory when it crosses a page boundary
-/// ([`Profile::small_page_crossing`]): such a read is split at the remote page
-/// boundary, such a write at the local one, and such a send goes inline (a copy).
+/// ([`Profile::small_page_crossing`](crate::Profile::small_page_crossing)): such a read
+/// is split at the remote page boundary, such a write at the local one, and such a send
+/// goes inline (a copy).
 fn avoid_small_page_crossing(
     wrs: Planned,
     copy: impl Fn(&Sge) -> Result<Inline>,

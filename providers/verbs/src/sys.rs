@@ -7,7 +7,7 @@
 //! types are `rdma-sys`'s own (re-exported below, so layouts stay bindgen's), and every
 //! exported C function the core calls is a function of the same name and signature here that
 //! jumps through a pointer resolved once with `dlsym` (in a [`OnceLock`]). Only the functions
-//! listed in [`rdma_core_api!`] exist: calling another `rdma_sys` function would link the
+//! listed in `rdma_core_api!` exist: calling another `rdma_sys` function would link the
 //! libraries again, so the list is explicit rather than a glob re-export, and `scripts/test`
 //! checks with `ldd` that the binary needs neither library.
 //!
