@@ -489,7 +489,7 @@ pub(crate) struct EpCore {
     /// ([`EndpointConfig::ep_context`](fabric_api::spi::EndpointConfig::ep_context)),
     /// carried by every completion of it, the provider's own included.
     pub ep_context: u64,
-    /// Sends and writes may take [`post_direct`](Self::post_direct): nothing about this
+    /// Requests may take [`post_direct`](Self::post_direct): nothing about this
     /// connection (emulation, credits, delivery reads, the page-crossing workaround)
     /// makes a request more than the one hardware request the application asked for.
     direct: bool,
@@ -1220,48 +1220,86 @@ impl EpCore {
         Ok(())
     }
 
-    /// The direct path of [`post_send`](Self::post_send): a send or write that is one
-    /// hardware request as the application gave it, on a connection with nothing held
-    /// back, goes to the device from here, built on the stack. Returns `None`, having
-    /// changed nothing, for anything else: the ledger's path plans it, holds it back, or
-    /// reports what is wrong with it.
+    /// The direct path of [`post_send`](Self::post_send): a send, write, read or native
+    /// atomic that is one hardware request as the application gave it, on a connection
+    /// with nothing held back, goes to the device from here, built on the stack. Returns
+    /// `None`, having changed nothing, for anything else: the ledger's path plans it,
+    /// holds it back, or reports what is wrong with it.
     ///
     /// Only where [`direct`](Self::direct) is set: no emulation, no credits, no delivery
     /// reads, no page-crossing workaround, so that the request is exactly what the
     /// ledger's path would post. An inline payload is not copied first: nothing holds it
     /// back, so the device library copies it from registered memory during the call.
     fn post_direct(self: &Arc<Self>, wr: &SendWr<'_>) -> Option<Result<()>> {
-        let (sgl, op) = match wr.op {
-            SendOp::Send { sgl, imm } => (sgl, HwOp::Send { imm }),
-            SendOp::Write { sgl, remote, imm } => (
+        let p = &self.dom.profile;
+        let inline = wr.flags.contains(SendFlags::INLINE);
+        let atomic_result;
+        // The entries, the hardware operation, the access its local memory needs, and
+        // whether it moves the gather list's bytes (else 8: an atomic).
+        let (sgl, op, need, moves) = match wr.op {
+            SendOp::Send { sgl, imm } if imm.is_none() || p.immediate => {
+                (sgl, HwOp::Send { imm }, Access::empty(), true)
+            }
+            SendOp::Write { sgl, remote, imm } if imm.is_none() || p.immediate => (
                 sgl,
                 HwOp::Write {
                     addr: remote.addr,
                     rkey: remote.key,
                     imm,
                 },
+                Access::empty(),
+                true,
             ),
+            SendOp::Read { sgl, remote }
+                if !inline
+                    && (!p.split_reads || sgl.len() <= self.dom.dev.max_sge_rd.max(1) as usize) =>
+            {
+                (
+                    sgl,
+                    HwOp::Read {
+                        addr: remote.addr,
+                        rkey: remote.key,
+                    },
+                    Access::LOCAL_WRITE,
+                    true,
+                )
+            }
+            SendOp::Atomic { result, remote, op }
+                if p.atomics && !inline && result.len() == 8 && remote.addr % 8 == 0 =>
+            {
+                atomic_result = [result];
+                let op = match op {
+                    AtomicOp::FetchAdd { add } => HwOp::FetchAdd {
+                        addr: remote.addr,
+                        rkey: remote.key,
+                        add,
+                    },
+                    AtomicOp::CompareSwap { compare, swap } => HwOp::CompareSwap {
+                        addr: remote.addr,
+                        rkey: remote.key,
+                        compare,
+                        swap,
+                    },
+                };
+                (&atomic_result[..], op, Access::LOCAL_WRITE, false)
+            }
             _ => return None,
         };
-        let imm = matches!(
-            op,
-            HwOp::Send { imm: Some(_) } | HwOp::Write { imm: Some(_), .. }
-        );
-        if sgl.len() > ffi::ONE_SGES || (imm && !self.dom.profile.immediate) {
+        if sgl.len() > ffi::ONE_SGES {
             return None;
         }
         #[cfg(debug_assertions)]
         if crate::fault::armed() {
             return None;
         }
-        let inline = wr.flags.contains(SendFlags::INLINE);
-        let (sges, holds, total) = match self.sges(sgl, Access::empty()) {
+        let (sges, holds, total) = match self.sges(sgl, need) {
             Ok(x) => x,
             Err(e) => return Some(Err(e)),
         };
         if inline && total > u64::from(self.dom.limits.max_inline) {
             return None;
         }
+        let byte_len = if moves { total } else { 8 };
         if self.send_cq.reserve(0).is_err() {
             return None;
         }
@@ -1303,7 +1341,7 @@ impl EpCore {
                 context: wr.context,
                 opcode: wr.opcode(),
                 signaled: wr.flags.contains(SendFlags::SIGNALED),
-                byte_len: total,
+                byte_len,
             }),
             internal: false,
             is_send,

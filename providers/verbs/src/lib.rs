@@ -41,7 +41,7 @@
 //! asked for (emulated atomics and immediate data, credit updates, iWARP's delivery reads,
 //! a page-crossing workaround), or that must wait (held-back requests before it, a full
 //! device queue), is planned and posted by the ledger. On a connection that needs none of
-//! that (roce, ib), a send or write with nothing held back goes straight from `post_send`
+//! that (roce, ib), a request with nothing held back goes straight from `post_send`
 //! to the device, built on the stack, and its successful completion is reported without
 //! the ledger's searches: the same requests and completions, fewer instructions (about 2 900
 //! against 5 500 per 8-byte send iteration on rxe; see BENCHMARKS.md).
