@@ -622,6 +622,19 @@ fn avoid_small_page_crossing(
     Ok(out)
 }
 
+/// The hardware request of a native atomic on 8 bytes at `addr` under `rkey`.
+fn hw_atomic(op: AtomicOp, addr: u64, rkey: u32) -> HwOp {
+    match op {
+        AtomicOp::FetchAdd { add } => HwOp::FetchAdd { addr, rkey, add },
+        AtomicOp::CompareSwap { compare, swap } => HwOp::CompareSwap {
+            addr,
+            rkey,
+            compare,
+            swap,
+        },
+    }
+}
+
 /// A provider-internal inline write into the peer's emulation area: address and payload
 /// are filled in when its group goes to the device (`EpCore::post_next_group`).
 fn emu_write(fence: bool) -> HwWr {
@@ -1090,19 +1103,7 @@ impl EpCore {
                         holds,
                     });
                 }
-                let op = match op {
-                    AtomicOp::FetchAdd { add } => HwOp::FetchAdd {
-                        addr: remote.addr,
-                        rkey: remote.key,
-                        add,
-                    },
-                    AtomicOp::CompareSwap { compare, swap } => HwOp::CompareSwap {
-                        addr: remote.addr,
-                        rkey: remote.key,
-                        compare,
-                        swap,
-                    },
-                };
+                let op = hw_atomic(op, remote.addr, remote.key);
                 (smallvec![(hw(op, sges, None), None)], holds, 8)
             }
         };
@@ -1268,19 +1269,7 @@ impl EpCore {
                 if p.atomics && !inline && result.len() == 8 && remote.addr % 8 == 0 =>
             {
                 atomic_result = [result];
-                let op = match op {
-                    AtomicOp::FetchAdd { add } => HwOp::FetchAdd {
-                        addr: remote.addr,
-                        rkey: remote.key,
-                        add,
-                    },
-                    AtomicOp::CompareSwap { compare, swap } => HwOp::CompareSwap {
-                        addr: remote.addr,
-                        rkey: remote.key,
-                        compare,
-                        swap,
-                    },
-                };
+                let op = hw_atomic(op, remote.addr, remote.key);
                 (&atomic_result[..], op, Access::LOCAL_WRITE, false)
             }
             _ => return None,
