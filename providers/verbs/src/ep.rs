@@ -1342,7 +1342,8 @@ impl EpCore {
         l.user_sq += 1;
         l.hw_sq += 1;
         l.sends_hw += u64::from(is_send);
-        l.refused = None;
+        // A refusal is only ever of a held-back request, and none is held back.
+        debug_assert!(l.refused.is_none(), "a refusal with nothing held back");
         Some(Ok(()))
     }
 
@@ -2539,12 +2540,14 @@ impl EpCore {
                 self.push_user(cq, cst, u, None);
             }
         }
-        // Requests that failed to post complete when their turn comes (the general path's
-        // tail; with nothing held back, nothing else of it applies).
-        if std::ptr::eq(cq, Arc::as_ptr(&self.send_cq)) && l.sq.front().is_some_and(|f| !f.posted())
-        {
-            self.flush_unposted(l, cst);
-        }
+        // The general path's tail (flushing records that failed to post, posting held-back
+        // ones, owed credits) has nothing to do here: a connected endpoint with nothing held
+        // back has no record that failed to post (`fail_refused` ends the connection), and
+        // a direct connection no credits.
+        debug_assert!(
+            l.sq.iter().all(SqRec::posted),
+            "a connected endpoint with nothing held back holds an unposted record"
+        );
         true
     }
 
