@@ -1344,6 +1344,8 @@ impl EpCore {
         l.sends_hw += u64::from(is_send);
         // A refusal is only ever of a held-back request, and none is held back.
         debug_assert!(l.refused.is_none(), "a refusal with nothing held back");
+        #[cfg(debug_assertions)]
+        crate::fault::note_direct();
         Some(Ok(()))
     }
 

@@ -11,6 +11,9 @@
 //! (`providers/verbs/testsuite/conn_items.rs`).
 //!
 //! The hook is process-wide: a test that arms it must be the only one posting meanwhile.
+//!
+//! The module also counts the requests the endpoints' direct path posted ([`direct_posts`]),
+//! so that the device tests can tell which connections take it.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -61,6 +64,19 @@ pub fn stop() {
 /// How many chains were refused so far in this process.
 pub fn refused() -> usize {
     REFUSED.load(Ordering::SeqCst)
+}
+
+static DIRECT: AtomicUsize = AtomicUsize::new(0);
+
+/// Requests the endpoints' direct path (`EpCore::post_direct`) posted so far in this
+/// process.
+pub fn direct_posts() -> usize {
+    DIRECT.load(Ordering::SeqCst)
+}
+
+/// Counts one request the direct path posted.
+pub(crate) fn note_direct() {
+    DIRECT.fetch_add(1, Ordering::SeqCst);
 }
 
 /// Whether a refusal is planned: the endpoint's direct path steps aside for the ledger's,

@@ -141,9 +141,24 @@ pub fn conn_items<F: Flavor>(d: VerbsDomain<F>, ip: IpAddr) {
         s.post_recv(&RecvWr::new(100 + i, &[dst.slice(0..64).unwrap()]))
             .unwrap();
     }
+    #[cfg(debug_assertions)]
+    let direct_before = fabric_verbs::fault::direct_posts();
     for i in 0..3 {
         c.post_send(&SendWr::send(i, &[src.slice(0..64).unwrap()]))
             .unwrap();
+    }
+    // Which connections post from the direct path: roce's (nothing to add to a request),
+    // not iwarp's (credits and delivery reads go with every send).
+    #[cfg(debug_assertions)]
+    {
+        let direct = fabric_verbs::fault::direct_posts() - direct_before;
+        let want = if F::NAME == "iwarp" { 0 } else { 3 };
+        assert_eq!(
+            direct,
+            want,
+            "sends posted by the direct path on {}",
+            F::NAME
+        );
     }
     // drain waits for the three sends without anyone polling.
     c.drain(T).unwrap();
@@ -236,6 +251,24 @@ pub fn conn_items<F: Flavor>(d: VerbsDomain<F>, ip: IpAddr) {
         (30, Status::Success, 0xc1)
     );
     assert_eq!(c.next_event(), Some(EndpointEvent::Closed));
+    drop((c, s));
+
+    // A receive on a dead endpoint whose completion queue is full says that the endpoint
+    // is dead, not that the queue is full (its one slot holds the flushed receive).
+    let tiny = d.create_cq(1).unwrap();
+    let (c, s) = pair(&d, ip, &ccq, &tiny);
+    s.post_recv(&RecvWr::new(40, &[dst.slice(0..64).unwrap()]))
+        .unwrap();
+    s.close().unwrap();
+    let e = s
+        .post_recv(&RecvWr::new(41, &[dst.slice(0..64).unwrap()]))
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidState, "{e}");
+    let x = next(&tiny);
+    assert_eq!(
+        (x.context, x.status),
+        (40, Status::Error(ErrorKind::Flushed))
+    );
     drop((c, s));
 
     // A refused connection fails through poll.
