@@ -14,8 +14,11 @@
 //!
 //! Connecting and accepting are awaited too (`fabric::tokio::connect` and `accept`: the
 //! connection is started without blocking and finished as the peer answers, with the
-//! connection's and the listener's descriptors registered with the runtime). After the
-//! last round trip the server awaits the connection event of the client's close.
+//! connection's and the listener's descriptors registered with the runtime). The server
+//! sends the last message (the last echo), so it closes once that echo completed, and the
+//! client, having received it, awaits the connection event of the server's close before it
+//! closes (closing first would be abortive for the server's echo, whose completion on iWARP
+//! waits for a delivery read the client answers).
 
 use std::future::poll_fn;
 use std::net::SocketAddr;
@@ -70,8 +73,8 @@ fn expect(c: Completion, context: u64) -> Result<Completion> {
     Ok(c)
 }
 
-/// The server: accepts, awaits each message, sends the same bytes back, then awaits the
-/// client's close.
+/// The server: accepts, awaits each message, sends the same bytes back; closes once the
+/// last echo completed.
 async fn server(domain: &AnyDomain, listener: &AnyListener, args: &Args) -> Result<()> {
     let size = args.size as usize;
     let cq = domain.create_cq(16)?;
@@ -93,15 +96,12 @@ async fn server(domain: &AnyDomain, listener: &AnyListener, args: &Args) -> Resu
         }
     }
     println!("server: echoed {} messages of {size} B", args.iters);
-    match fabric::tokio::next_event(&ep).await? {
-        EndpointEvent::PeerClosed => println!("server: the client closed the connection"),
-        other => return Err(format!("unexpected connection event {other:?}").into()),
-    }
+    ep.close()?;
     Ok(())
 }
 
 /// The client: connects, sends, awaits the echo (completions taken as a `Stream`), checks
-/// it; closes.
+/// it; after the last echo awaits the server's close.
 async fn client(domain: &AnyDomain, addr: SocketAddr, args: &Args) -> Result<()> {
     let size = args.size as usize;
     let cq = domain.create_cq(16)?;
@@ -139,7 +139,10 @@ async fn client(domain: &AnyDomain, addr: SocketAddr, args: &Args) -> Result<()>
         args.iters,
         took.as_secs_f64(),
     );
-    ep.close()?;
+    match fabric::tokio::next_event(&ep).await? {
+        EndpointEvent::PeerClosed => println!("client: the server closed the connection"),
+        other => return Err(format!("unexpected connection event {other:?}").into()),
+    }
     Ok(())
 }
 

@@ -20,7 +20,7 @@ use std::time::Instant;
 use clap::Parser;
 use fabric::prelude::*;
 use fabric::Selector;
-use fabric_examples::{wait, wait_all, Result, DEADLINE};
+use fabric_examples::{await_peer_close, wait, wait_all, Result, DEADLINE};
 
 /// Many clients, one counter.
 #[derive(Debug, Parser)]
@@ -56,6 +56,11 @@ fn server(domain: &AnyDomain, listener: &AnyListener, clients: u32) -> Result<u6
     }
     // The notes arrive in whatever order the clients finish.
     wait_all(&cq, &(0..u64::from(clients)).collect::<Vec<u64>>())?;
+    // Each note was its client's last message: the client closes once its send completed,
+    // and closing here first could flush that send.
+    for ep in &endpoints {
+        await_peer_close(ep)?;
+    }
     let mut word = [0u8; 8];
     counter.buffer().read(0, &mut word);
     Ok(u64::from_ne_bytes(word))

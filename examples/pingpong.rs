@@ -21,7 +21,7 @@ use std::time::Instant;
 use clap::Parser;
 use fabric::prelude::*;
 use fabric::Selector;
-use fabric_examples::{run_roles, wait, wait_all, Result, Role, DEADLINE};
+use fabric_examples::{await_peer_close, run_roles, wait, wait_all, Result, Role, DEADLINE};
 
 /// Ping-pong over any provider (FABRIC_PROVIDER / FABRIC_CONFIG choose it).
 #[derive(Debug, Parser)]
@@ -48,7 +48,8 @@ fn pattern(i: u64, j: usize) -> u8 {
     (j as u64).wrapping_mul(31).wrapping_add(i) as u8
 }
 
-/// The server: receives a message, sends the same bytes back.
+/// The server: receives a message, sends the same bytes back; closes (drops its endpoint)
+/// once the last echo completed.
 fn server(domain: &AnyDomain, listener: &AnyListener, args: &Args) -> Result<()> {
     let size = args.size as usize;
     let cq = domain.create_cq(16)?;
@@ -72,7 +73,8 @@ fn server(domain: &AnyDomain, listener: &AnyListener, args: &Args) -> Result<()>
     Ok(())
 }
 
-/// The client: sends, waits for the echo, checks it.
+/// The client: sends, waits for the echo, checks it. The server sent the last message, so
+/// the client waits for the server's close before closing (see [`await_peer_close`]).
 fn client(domain: &AnyDomain, addr: SocketAddr, args: &Args) -> Result<()> {
     let size = args.size as usize;
     let cq = domain.create_cq(16)?;
@@ -99,6 +101,7 @@ fn client(domain: &AnyDomain, addr: SocketAddr, args: &Args) -> Result<()> {
         took.as_secs_f64(),
         rtt / 2.0
     );
+    await_peer_close(&ep)?;
     Ok(())
 }
 

@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use clap::Parser;
 use fabric::prelude::*;
 use fabric::Selector;
-use fabric_examples::{run_roles, wait, wait_all, Result, Role, DEADLINE};
+use fabric_examples::{await_peer_close, run_roles, wait, wait_all, Result, Role, DEADLINE};
 
 /// Opens the provider a TOML file chooses and uses it.
 #[derive(Debug, Parser)]
@@ -63,6 +63,8 @@ fn server(domain: &AnyDomain, listener: &AnyListener) -> Result<()> {
         );
     }
     println!("server: the counter went from 41 to {v}");
+    // The client's note was the last message; it closes once the note's send completed.
+    await_peer_close(&ep)?;
     Ok(())
 }
 

@@ -21,7 +21,7 @@ use std::net::SocketAddr;
 use clap::Parser;
 use fabric::prelude::*;
 use fabric::Selector;
-use fabric_examples::{run_roles, wait, Result, Role, DEADLINE};
+use fabric_examples::{await_peer_close, run_roles, wait, Result, Role, DEADLINE};
 
 /// RDMA Write and Read into a region whose descriptor came with the connection.
 #[derive(Debug, Parser)]
@@ -87,6 +87,9 @@ fn server(domain: &AnyDomain, listener: &AnyListener, size: usize) -> Result<()>
         .into());
     }
     println!("server: the client wrote all {size} bytes of the region; verified here, with no poll during the transfer");
+    // The client's "done" was the last message: its send completes before the client
+    // closes, and closing here first could flush it.
+    await_peer_close(&ep)?;
     Ok(())
 }
 

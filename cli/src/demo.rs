@@ -151,7 +151,19 @@ fn serve(domain: &AnyDomain, listener: &AnyListener) -> Result<(), String> {
                 let counter =
                     u64::from_ne_bytes(target.buffer().to_vec(0, 8).try_into().expect("8 bytes"));
                 println!("server: received {messages} messages ({bytes} bytes); counter word holds {counter}; never polled for RMA or atomics");
-                return Ok(());
+                // "done" was the client's last message. It closes once that send completed;
+                // closing here first would be abortive for it (on iWARP the send completes
+                // with the delivery read this side answers), and the client would see a
+                // message that arrived reported Flushed.
+                return match ep
+                    .wait_event(WAIT)
+                    .map_err(e("wait for the client's close"))?
+                {
+                    Some(EndpointEvent::PeerClosed) => Ok(()),
+                    other => Err(format!(
+                        "server: expected the client to close, got {other:?}"
+                    )),
+                };
             }
             if msg
                 .iter()

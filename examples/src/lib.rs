@@ -51,6 +51,22 @@ pub fn wait(cq: &AnyCq, context: u64) -> Result<Completion> {
     Ok(wait_all(cq, &[context])?.remove(0))
 }
 
+/// Waits for the peer to close `ep` (within [`DEADLINE`]); any other connection event, or
+/// none, is an error.
+///
+/// The side that received the last message of a conversation calls this before it drops
+/// its endpoint, and the side that sent it closes once that send completed. Closing first
+/// would be abortive for the peer's last send, whose completion may still be on its way
+/// (on iWARP it is that of a delivery read answered by this side): the peer would see it
+/// `Flushed` although its message arrived.
+pub fn await_peer_close(ep: &AnyEndpoint) -> Result<()> {
+    match ep.wait_event(DEADLINE)? {
+        Some(EndpointEvent::PeerClosed) => Ok(()),
+        Some(other) => Err(format!("expected the peer to close, got {other:?}").into()),
+        None => Err(format!("the peer did not close within {DEADLINE:?}").into()),
+    }
+}
+
 /// Ends an example: prints the error in words (not `Debug`) and returns a failing exit code.
 pub fn exit(result: Result<()>) -> std::process::ExitCode {
     match result {

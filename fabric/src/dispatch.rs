@@ -638,6 +638,29 @@ impl AnyDomain {
 }
 
 impl AnyEndpoint {
+    /// Waits up to `timeout` for the endpoint's next connection event and returns it;
+    /// `None` when none came in time. The blocking counterpart of
+    /// [`crate::tokio::next_event`].
+    ///
+    /// The side of a connection that received the last message waits here for
+    /// [`EndpointEvent::PeerClosed`] before it closes: a close is abortive for what the peer
+    /// still has outstanding (semantics.md section 7), and the peer's last send may not have
+    /// completed yet when its message is seen (on iWARP the completion of a send is that of
+    /// the delivery read behind it).
+    pub fn wait_event(&self, timeout: Duration) -> Result<Option<EndpointEvent>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(ev) = self.next_event() {
+                return Ok(Some(ev));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            fabric_api::notify::wait_readable(self.event_fd()?, left)?;
+        }
+    }
+
     /// The hooked endpoint, for [`HookEndpoint::cut_connection`] (`None` when its domain
     /// has no hooks).
     pub fn hooks(&self) -> Option<&HookEndpoint<ErasedEndpoint>> {
