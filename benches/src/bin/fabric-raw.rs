@@ -7,8 +7,11 @@
 //! * `stream`: one thread writes `iters` messages of `size` bytes with blocking `write_all`,
 //!   the other reads them; the time runs until the reader's one-byte acknowledgement.
 //!
+//! * `--cpus A,B` pins the first side (the timing thread) to CPU A and the other to CPU B,
+//!   as `scripts/bench` pins the two processes of `fabric perf` and of fi_pingpong.
+//!
 //! ```text
-//! fabric-raw pingpong|stream [--sizes 8,64,1K] [--iters N] [--format text|json]
+//! fabric-raw pingpong|stream [--sizes 8,64,1K] [--iters N] [--cpus A,B] [--format text|json]
 //! ```
 
 use std::io::{ErrorKind, Read, Write};
@@ -19,7 +22,7 @@ use fabric_benches::{parse_size, Row};
 
 fn usage() -> ! {
     eprintln!(
-        "usage: fabric-raw pingpong|stream [--sizes 8,64,1K] [--iters N] [--format text|json]"
+        "usage: fabric-raw pingpong|stream [--sizes 8,64,1K] [--iters N] [--cpus A,B] [--format text|json]"
     );
     std::process::exit(2)
 }
@@ -28,6 +31,7 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let test = args.next().unwrap_or_else(|| usage());
     let (mut sizes, mut iters, mut json) = (vec![8u64], None::<u64>, false);
+    let mut cpus = None::<[usize; 2]>;
     while let Some(a) = args.next() {
         let v = args.next().unwrap_or_else(|| usage());
         match a.as_str() {
@@ -44,6 +48,13 @@ fn main() {
             }
             "--iters" => iters = Some(v.parse().unwrap_or_else(|_| usage())),
             "--format" => json = v == "json",
+            "--cpus" => {
+                let c: Vec<usize> = v
+                    .split(',')
+                    .map(|c| c.parse().unwrap_or_else(|_| usage()))
+                    .collect();
+                cpus = Some(c.try_into().unwrap_or_else(|_| usage()));
+            }
             _ => usage(),
         }
     }
@@ -52,8 +63,8 @@ fn main() {
         .map(|&size| {
             let n = iters.unwrap_or(if size <= 16 << 10 { 5000 } else { 500 });
             match test.as_str() {
-                "pingpong" => pingpong(size as usize, n),
-                "stream" => stream(size as usize, n),
+                "pingpong" => pingpong(size as usize, n, cpus),
+                "stream" => stream(size as usize, n, cpus),
                 _ => usage(),
             }
         })
@@ -62,6 +73,28 @@ fn main() {
         println!("{}", fabric_benches::rows_json("raw-tcp", &rows));
     } else {
         fabric_benches::print(&rows);
+    }
+}
+
+/// Pins the calling thread to `cpu`; exits with a message if the kernel refuses (a CPU
+/// that does not exist or is not allowed here).
+fn pin(cpu: usize) {
+    // SAFETY: `cpu_set_t` is plain bits, for which all zeroes is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    if cpu >= 8 * std::mem::size_of::<libc::cpu_set_t>() {
+        eprintln!("fabric-raw: no CPU {cpu}");
+        std::process::exit(2);
+    }
+    // SAFETY: `cpu` is below the set's size in bits (checked above).
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: pid 0 names the calling thread; the set is initialised and its size passed.
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) };
+    if rc != 0 {
+        eprintln!(
+            "fabric-raw: cannot pin to CPU {cpu}: {}",
+            std::io::Error::last_os_error()
+        );
+        std::process::exit(2);
     }
 }
 
@@ -100,18 +133,24 @@ fn spin_write(s: &mut TcpStream, buf: &[u8]) {
     }
 }
 
-fn pingpong(size: usize, n: u64) -> Row {
+fn pingpong(size: usize, n: u64, cpus: Option<[usize; 2]>) -> Row {
     let (mut a, mut b) = pair();
     a.set_nonblocking(true).expect("nonblocking");
     b.set_nonblocking(true).expect("nonblocking");
     let warmup = (n / 10).min(1000);
     let echo = std::thread::spawn(move || {
+        if let Some([_, c]) = cpus {
+            pin(c);
+        }
         let mut buf = vec![0u8; size];
         for _ in 0..warmup + n {
             spin_read(&mut b, &mut buf);
             spin_write(&mut b, &buf);
         }
     });
+    if let Some([c, _]) = cpus {
+        pin(c);
+    }
     let mut buf = vec![7u8; size];
     let mut t = Instant::now();
     for i in 0..warmup + n {
@@ -134,15 +173,21 @@ fn pingpong(size: usize, n: u64) -> Row {
     }
 }
 
-fn stream(size: usize, n: u64) -> Row {
+fn stream(size: usize, n: u64, cpus: Option<[usize; 2]>) -> Row {
     let (mut a, mut b) = pair();
     let rx = std::thread::spawn(move || {
+        if let Some([_, c]) = cpus {
+            pin(c);
+        }
         let mut buf = vec![0u8; size];
         for _ in 0..n {
             b.read_exact(&mut buf).expect("read");
         }
         b.write_all(&[1]).expect("ack");
     });
+    if let Some([c, _]) = cpus {
+        pin(c);
+    }
     let buf = vec![7u8; size];
     let t = Instant::now();
     for _ in 0..n {
