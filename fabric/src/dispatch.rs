@@ -644,7 +644,7 @@ impl AnyEndpoint {
     ///
     /// The side of a connection that received the last message waits here for
     /// [`EndpointEvent::PeerClosed`] before it closes: a close is abortive for what the peer
-    /// still has outstanding (semantics.md section 7), and the peer's last send may not have
+    /// still has outstanding (docs/contract.md section 7), and the peer's last send may not have
     /// completed yet when its message is seen (on iWARP the completion of a send is that of
     /// the delivery read behind it).
     pub fn wait_event(&self, timeout: Duration) -> Result<Option<EndpointEvent>> {
@@ -668,5 +668,45 @@ impl AnyEndpoint {
             AnyEndpoint::Hooked(h) => Some(h),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fabric_api::spi::EndpointConfig;
+
+    /// `wait_event` times out with `None` on a quiet connection, wakes with `PeerClosed`
+    /// when the peer closes, and the closing side reads its own `Closed`.
+    #[test]
+    fn wait_event_times_out_then_sees_the_peer_close() {
+        let (d, _) = crate::Selector::new()
+            .providers("tcp")
+            .and_then(|s| s.open())
+            .expect("tcp domain");
+        let l = d.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let (cqa, cqb) = (d.create_cq(8).unwrap(), d.create_cq(8).unwrap());
+        let (a, b) = std::thread::scope(|s| {
+            let acc = s.spawn(|| {
+                l.accept(&EndpointConfig::new(&cqb), Duration::from_secs(10))
+                    .unwrap()
+            });
+            let a = d
+                .connect(l.local_addr(), &EndpointConfig::new(&cqa))
+                .unwrap();
+            (a, acc.join().unwrap())
+        });
+        let t = Instant::now();
+        assert_eq!(a.wait_event(Duration::from_millis(50)).unwrap(), None);
+        assert!(t.elapsed() >= Duration::from_millis(50));
+        b.close().unwrap();
+        assert_eq!(
+            a.wait_event(Duration::from_secs(10)).unwrap(),
+            Some(EndpointEvent::PeerClosed)
+        );
+        assert_eq!(
+            b.wait_event(Duration::ZERO).unwrap(),
+            Some(EndpointEvent::Closed)
+        );
     }
 }
