@@ -71,6 +71,14 @@
 //! * **Graceful close versus failure**: siw reports both as a closed connection. A closing
 //!   endpoint writes a close mark into the peer's credit area first, so the peer reports
 //!   `Disconnected` for a close and `Error` for anything else.
+//! * **A close right after a receive**: the receive completes when the message is placed,
+//!   the sender's completion when the delivery read behind it is answered, a moment
+//!   later. A receiver that closes in between flushes that read, and the sender sees a
+//!   delivered message `Flushed` (the contract allows it: a close flushes what the peer
+//!   has outstanding). On roce the ACK leaves before the receive completes, so the window
+//!   is far smaller there, but it is the same rule: the side that received a
+//!   conversation's last message waits for `EndpointEvent::PeerClosed` before it closes
+//!   (`AnyEndpoint::wait_event`; the examples do).
 #![forbid(unsafe_code)]
 
 use std::collections::BTreeMap;
