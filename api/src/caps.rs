@@ -30,6 +30,10 @@ bitflags::bitflags! {
         /// Guarantee: a remote read of a region without REMOTE_READ is refused
         /// (RemoteAccess).
         const READ_PROTECTION = 1 << 9;
+        /// Guarantee: a client that closes its connection before the listener accepted it
+        /// (a port scanner, a hostile or crashing peer) leaves the listener serving
+        /// others.
+        const LISTEN_EARLY_CLOSE = 1 << 10;
     }
 }
 
@@ -37,7 +41,9 @@ impl OpSet {
     /// Both atomics.
     pub const ATOMICS: OpSet = OpSet::FETCH_ADD.union(OpSet::COMPARE_SWAP);
     /// The guarantees, which cannot be posted.
-    pub const GUARANTEES: OpSet = OpSet::RNR_WAIT.union(OpSet::READ_PROTECTION);
+    pub const GUARANTEES: OpSet = OpSet::RNR_WAIT
+        .union(OpSet::READ_PROTECTION)
+        .union(OpSet::LISTEN_EARLY_CLOSE);
 }
 
 /// Numeric limits of a provider or device.

@@ -80,7 +80,11 @@ fn scenario(name: &str) -> (&'static str, &'static str) {
             "an error naming the key",
         ),
         "bad.garbage_to_listener" => (
-            "hostile clients send garbage, a truncated request, an oversized length and silence to a listener: it still serves a good client",
+            "hostile clients send garbage, a truncated request, an oversized length and silence to a listener, and stay connected: it still serves a good client",
+            "good client served < 10 s",
+        ),
+        "bad.client_closes_before_accept" => (
+            "eight clients connect and close at once, before the listener accepted them (four silent, four with an MPA key): it still serves a good client",
             "good client served < 10 s",
         ),
         "bad.error_keeps_acknowledged_data" => (

@@ -5,8 +5,8 @@
 //! applications use. Outcomes are [`Outcome::Pass`], [`Outcome::Fail`],
 //! [`Outcome::Unsupported`] (only where the provider's capabilities, or what the connection
 //! negotiated (`Endpoint::ops`), lack what the case needs, and only after the suite checked
-//! that posting it returns `Unsupported`; `RNR_WAIT` and `READ_PROTECTION` are guarantees
-//! rather than operations) and
+//! that posting it returns `Unsupported`; `RNR_WAIT`, `READ_PROTECTION` and
+//! `LISTEN_EARLY_CLOSE` are guarantees rather than operations) and
 //! [`Outcome::NoDevice`] (the provider could not run here, with the reason). A provider that
 //! could not run never passes.
 //!

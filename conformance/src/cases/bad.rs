@@ -16,6 +16,7 @@ pub(super) fn cases() -> Vec<Case> {
         "bad.atomic_result_not_8_bytes", "8", OpSet::FETCH_ADD => atomic_result_size;
         "bad.unknown_provider_and_config", "8", OpSet::empty() => bad_config;
         "bad.garbage_to_listener", "8", OpSet::SEND => garbage_to_listener;
+        "bad.client_closes_before_accept", "8", OpSet::SEND | OpSet::LISTEN_EARLY_CLOSE => closes_before_accept;
         "bad.error_keeps_acknowledged_data", "8", OpSet::WRITE => keeps_acknowledged;
     }
 }
@@ -119,6 +120,8 @@ fn garbage_to_listener(ctx: &Ctx) -> CaseResultOf {
         &[0xff; 64],
         b"",
     ];
+    // The hostile connections stay open until the good client was served: one closed
+    // before the listener accepted it is `bad.client_closes_before_accept`.
     let mut held = Vec::new();
     for g in garbage {
         if let Ok(mut s) = std::net::TcpStream::connect(addr) {
@@ -126,10 +129,33 @@ fn garbage_to_listener(ctx: &Ctx) -> CaseResultOf {
             held.push(s);
         }
     }
-    drop(held);
     // The listener still serves a well-behaved client.
     star.connect(ctx, 1)
         .map_err(|e| format!("good client after garbage: {e}"))?;
+    serves(&star)?;
+    drop(held);
+    Ok(())
+}
+
+/// Clients that connect and close at once, before the listener could accept them (a port
+/// scanner, a crashing peer): the listener still serves a well-behaved client.
+fn closes_before_accept(ctx: &Ctx) -> CaseResultOf {
+    let mut star = ctx.listening()?;
+    let addr = star.listener.local_addr();
+    for g in [&b""[..], b"MPA ID Req Frame"] {
+        for _ in 0..4 {
+            if let Ok(mut s) = std::net::TcpStream::connect(addr) {
+                let _ = s.write_all(g);
+            }
+        }
+    }
+    star.connect(ctx, 1)
+        .map_err(|e| format!("good client after early closes: {e}"))?;
+    serves(&star)
+}
+
+/// The first client of `star` sends the server one message, which arrives intact.
+fn serves(star: &crate::harness::Star) -> CaseResultOf {
     let rq = region(&star.server, 16, Access::LOCAL_WRITE)?;
     star.accepted[0]
         .post_recv(&RecvWr::new(1, &[rq.all()]))
@@ -144,7 +170,7 @@ fn garbage_to_listener(ctx: &Ctx) -> CaseResultOf {
     expect_ok(&star.server_cq, 1, Opcode::Recv)?;
     ensure!(
         rq.buffer().to_vec(0, 5) == b"still",
-        "message after garbage corrupted"
+        "message after hostile clients corrupted"
     );
     Ok(())
 }

@@ -209,6 +209,15 @@ impl Flavor for Iwarp {
                 "siw (Linux soft-iWARP) does not check REMOTE_READ when it answers an RDMA Read (siw_qp_tx.c: siw_check_sgl_tx(pd, wqe, 0)); any valid key is readable".to_string(),
             );
         }
+        // siw (Linux 6.1 siw_cm.c) releases its listening socket when a client closes a
+        // connection the listener has not accepted yet (see `Profile::listen_early_close`).
+        let listen_early_close = dev.vendor_id != SIW_VENDOR_ID;
+        if !listen_early_close {
+            unsupported.insert(
+                "LISTEN_EARLY_CLOSE".to_string(),
+                "siw (Linux soft-iWARP) closes its listening socket when a client closes a TCP connection before siw accepted it: the queued socket carries the listener's sk_user_data, so siw_cm_llp_state_change queues SIW_CM_WORK_PEER_CLOSE on the listening endpoint, whose handler releases the listening socket without an event to rdma_cm (siw_cm.c); later clients get a TCP reset (ConnectionRefused)".to_string(),
+            );
+        }
         let split = dev.max_sge_rd < dev.max_sge;
         let emu = |feature: &str, ops: OpSet, how: &str| Emulation {
             feature: feature.into(),
@@ -246,6 +255,7 @@ impl Flavor for Iwarp {
             infer_terminate: true,
             length_as_malformed_wqe: false,
             read_protection,
+            listen_early_close,
             liveness_probes: true,
             small_page_crossing: dev.vendor_id == SIW_VENDOR_ID,
             unsupported,

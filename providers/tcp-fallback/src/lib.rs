@@ -467,8 +467,12 @@ impl spi::Endpoint for TcpEndpoint {
     fn ops(&self) -> OpSet {
         use wire::mpa::features as f;
         let n = self.conn.neg.features;
-        let mut ops =
-            OpSet::SEND | OpSet::WRITE | OpSet::READ | OpSet::INLINE | OpSet::READ_PROTECTION;
+        let mut ops = OpSet::SEND
+            | OpSet::WRITE
+            | OpSet::READ
+            | OpSet::INLINE
+            | OpSet::READ_PROTECTION
+            | OpSet::LISTEN_EARLY_CLOSE;
         if n & f::ATOMICS != 0 {
             ops |= OpSet::ATOMICS;
         }

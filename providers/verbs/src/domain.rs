@@ -176,6 +176,9 @@ fn ops_of(p: &Profile, limits: &Limits) -> OpSet {
     if p.read_protection {
         ops |= OpSet::READ_PROTECTION;
     }
+    if p.listen_early_close {
+        ops |= OpSet::LISTEN_EARLY_CLOSE;
+    }
     if limits.max_inline > 0 {
         ops |= OpSet::INLINE;
     }
@@ -1509,6 +1512,7 @@ mod tests {
             infer_terminate: true,
             length_as_malformed_wqe: false,
             read_protection: false,
+            listen_early_close: false,
             liveness_probes: true,
             small_page_crossing: false,
             unsupported: BTreeMap::new(),

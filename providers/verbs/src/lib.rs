@@ -267,6 +267,15 @@ pub struct Profile {
     /// kernel's siw does not: it builds Read Responses with `siw_check_sgl_tx(pd, wqe, 0)`
     /// (siw_qp_tx.c), which checks the key and bounds but no access right.
     pub read_protection: bool,
+    /// A client that closes its TCP connection before the device's listener accepted it
+    /// leaves the listener listening. The kernel's siw in Linux 6.1 does not: the accepted
+    /// socket still in the listening socket's queue carries the listener's `sk_user_data`
+    /// and state-change callback, so the client's FIN queues a peer-close work item on the
+    /// *listening* endpoint (`siw_cm_llp_state_change`), whose handler releases the
+    /// listening socket without telling the connection manager (`siw_cm_work_handler`,
+    /// `SIW_CM_WORK_PEER_CLOSE`, siw_cm.c). Further clients are refused with a TCP reset.
+    /// Not an issue where the listener is not a TCP socket (InfiniBand and RoCE: the IB CM).
+    pub listen_early_close: bool,
     /// The device garbles a payload of at most 32 bytes taken from registered memory when
     /// it crosses a page boundary: the kernel's siw in Linux 6.1 (`siw_try_1seg` in
     /// `siw_qp_tx.c` copies the length of the second piece from the first page, then the
@@ -351,6 +360,7 @@ impl Profile {
             infer_terminate: false,
             length_as_malformed_wqe: dev.vendor_id == SOFT_ROCE_VENDOR_ID,
             read_protection: true,
+            listen_early_close: true,
             liveness_probes: false,
             small_page_crossing: false,
             unsupported,
