@@ -76,9 +76,10 @@ fn main() {
     }
 }
 
-/// Pins the calling thread to `cpu`; exits with a message if the kernel refuses (a CPU
-/// that does not exist or is not allowed here).
-fn pin(cpu: usize) {
+/// Pins the calling thread to `cpu` (`None`: leaves it where it is); exits with a message
+/// if the kernel refuses (a CPU that does not exist or is not allowed here).
+fn pin(cpu: Option<usize>) {
+    let Some(cpu) = cpu else { return };
     // SAFETY: `cpu_set_t` is plain bits, for which all zeroes is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     if cpu >= 8 * std::mem::size_of::<libc::cpu_set_t>() {
@@ -139,18 +140,14 @@ fn pingpong(size: usize, n: u64, cpus: Option<[usize; 2]>) -> Row {
     b.set_nonblocking(true).expect("nonblocking");
     let warmup = (n / 10).min(1000);
     let echo = std::thread::spawn(move || {
-        if let Some([_, c]) = cpus {
-            pin(c);
-        }
+        pin(cpus.map(|c| c[1]));
         let mut buf = vec![0u8; size];
         for _ in 0..warmup + n {
             spin_read(&mut b, &mut buf);
             spin_write(&mut b, &buf);
         }
     });
-    if let Some([c, _]) = cpus {
-        pin(c);
-    }
+    pin(cpus.map(|c| c[0]));
     let mut buf = vec![7u8; size];
     let mut t = Instant::now();
     for i in 0..warmup + n {
@@ -176,18 +173,14 @@ fn pingpong(size: usize, n: u64, cpus: Option<[usize; 2]>) -> Row {
 fn stream(size: usize, n: u64, cpus: Option<[usize; 2]>) -> Row {
     let (mut a, mut b) = pair();
     let rx = std::thread::spawn(move || {
-        if let Some([_, c]) = cpus {
-            pin(c);
-        }
+        pin(cpus.map(|c| c[1]));
         let mut buf = vec![0u8; size];
         for _ in 0..n {
             b.read_exact(&mut buf).expect("read");
         }
         b.write_all(&[1]).expect("ack");
     });
-    if let Some([c, _]) = cpus {
-        pin(c);
-    }
+    pin(cpus.map(|c| c[0]));
     let buf = vec![7u8; size];
     let t = Instant::now();
     for _ in 0..n {
