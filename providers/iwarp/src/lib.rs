@@ -29,6 +29,14 @@
 //!   at most one of them is unconfirmed at a time: throughput costs a round trip per send
 //!   or write, and when the peer terminates the connection the first unconfirmed request
 //!   is the one it refused.
+//! * **Fences are the provider's on siw** (`Profile::soft_fence`): a fenced request waits
+//!   in the provider until the reads before it completed and then goes to siw unfenced.
+//!   siw's own fence (Linux 6.1) can stop a connection for good: the fenced request waits
+//!   in siw's transmit slot, and a Read Request arriving meanwhile is parked in the
+//!   inbound read queue without restarting the transmitter (`siw_init_rresp`), so with
+//!   both ends fenced behind a read of the other, neither answers. Seen as rare stalls of
+//!   the RDM cases (both ends quiet until the dead-peer timeout) until this changed; the
+//!   conformance case `msg.both_directions_at_once` sends both ways at once.
 //! * **Why a connection died**: siw logs a received Terminate in the kernel log only and
 //!   flushes everything. When the connection dies without the peer's close mark, the
 //!   first unconfirmed request completes with the error the Terminate most likely carried
@@ -226,7 +234,7 @@ impl Flavor for Iwarp {
         };
         let mut emulated = vec![
             emu("receiver not ready", OpSet::SEND, "credit-based flow control: the receiver RDMA-writes its posted-receive count into the sender's credit area; sends wait in the provider for credits (retried on a timer like an RNR retry)"),
-            emu("delivery-complete sends and writes", OpSet::SEND | OpSet::WRITE, "each is fenced behind earlier reads and followed by an 8-byte RDMA Read of the peer; the completion is the read's"),
+            emu("delivery-complete sends and writes", OpSet::SEND | OpSet::WRITE, "each is fenced behind earlier reads (on siw by the provider, which holds it until they completed: siw's own fence can deadlock a connection) and followed by an 8-byte RDMA Read of the peer; the completion is the read's"),
             emu("read sinks", OpSet::READ, "regions with LOCAL_WRITE are registered locally with REMOTE_WRITE too (iWARP read responses are tagged placements)"),
             emu("dead-peer detection", OpSet::SEND | OpSet::WRITE | OpSet::READ, "emulated, like UCX's keepalive: the queue pair has no ACK timer and the kernel's TCP socket under it no keepalive, so the domain's helper thread watches every endpoint; any completion or TCP segment from the peer is a sign of life, a quiet endpoint is probed with a delivery read, and one quiet for the dead-peer timeout ([iwarp] dead_peer_timeout_ms, default 10 s) is declared dead: the oldest outstanding operation completes RetryExceeded, the rest Flushed, the queue pair is destroyed"),
         ];
@@ -256,6 +264,7 @@ impl Flavor for Iwarp {
             length_as_malformed_wqe: false,
             read_protection,
             listen_early_close,
+            soft_fence: dev.vendor_id == SIW_VENDOR_ID,
             liveness_probes: true,
             small_page_crossing: dev.vendor_id == SIW_VENDOR_ID,
             unsupported,

@@ -1513,6 +1513,7 @@ mod tests {
             length_as_malformed_wqe: false,
             read_protection: false,
             listen_early_close: false,
+            soft_fence: true,
             liveness_probes: true,
             small_page_crossing: false,
             unsupported: BTreeMap::new(),

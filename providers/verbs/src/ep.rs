@@ -357,6 +357,9 @@ struct SqRec {
     internal: bool,
     /// A Send (consumes one of the peer's receives: credits).
     is_send: bool,
+    /// An RDMA Read (the application's, a delivery read, a probe): what a fenced request
+    /// waits for under [`Profile::soft_fence`](crate::Profile::soft_fence).
+    is_read: bool,
     /// Failed to post: complete with this error when its turn comes.
     failed: Option<(ErrorKind, Option<ProviderCode>)>,
     /// The real error of an earlier piece of this record's group (the group's last
@@ -1173,6 +1176,7 @@ impl EpCore {
         for (i, (w, emu)) in plan.wrs.into_iter().enumerate() {
             let last = i + 1 == n;
             let is_send = matches!(w.op, HwOp::Send { .. });
+            let is_read = matches!(w.op, HwOp::Read { .. });
             let seq = l.next_seq;
             l.next_seq += 1;
             l.unposted.push_back(w);
@@ -1183,6 +1187,7 @@ impl EpCore {
                 user: last.then_some(plan.user),
                 internal: !last,
                 is_send,
+                is_read,
                 failed: None,
                 group_err: None,
                 emu,
@@ -1334,6 +1339,7 @@ impl EpCore {
             }),
             internal: false,
             is_send,
+            is_read: matches!(op, HwOp::Read { .. }),
             failed: None,
             group_err: None,
             emu: None,
@@ -1407,6 +1413,16 @@ impl EpCore {
         if l.hw_sq + group.len() > self.hw_sq_cap {
             return Posted::Later;
         }
+        let soft_fence = self.dom.profile.soft_fence;
+        if soft_fence && l.unposted.iter().take(group.len()).any(|w| w.fence) {
+            // A fence in software: the group waits here until every read before it has
+            // completed, then goes to the device unfenced (`Profile::soft_fence`). What
+            // completes the last of those reads posts it (`handle_completion`, or the
+            // helper thread's reap in `retry_blocked`).
+            if l.sq.range(..start).any(|r| r.is_read && r.posted()) {
+                return Posted::Later;
+            }
+        }
         // The group's requests are the first `group.len()` of `unposted`: numbered and,
         // for emulation records, filled in where they lie, then posted from there.
         let mut sends_before = 0u64;
@@ -1416,6 +1432,11 @@ impl EpCore {
         let wrs = &mut unposted.make_contiguous()[..group.len()];
         for (r, w) in sq.range(group.clone()).zip(wrs.iter_mut()) {
             w.wr_id = r.seq;
+            if soft_fence {
+                // No read of ours is outstanding (above): the device's fence is not needed,
+                // and on siw it could deadlock the connection.
+                w.fence = false;
+            }
             if let (Some(rec), Some(e)) = (&r.emu, &self.emu) {
                 let (off, payload) = match rec {
                     EmuRec::Imm(imm) => {
@@ -1552,7 +1573,9 @@ impl EpCore {
                 self.end_connection(l);
                 return true; // dead now: looked at again (`flush_stuck`)
             }
-            let short = self.send_credit(&mut l);
+            // Owed credits may wait for internal slots, and requests behind a software
+            // fence for a read's completion: reaping the device queue gives both.
+            let short = self.send_credit(&mut l) || (self.dom.profile.soft_fence && l.pending > 0);
             if !short || reaped {
                 let still = (l.pending > 0 || l.credit_dirty)
                     && l.status == EndpointState::Connected
@@ -1776,7 +1799,7 @@ impl EpCore {
             self.send_cq.release_internal(1);
             return false;
         }
-        Self::record_internal(l, seq);
+        Self::record_internal(l, seq, true);
         l.probe = Some(seq);
         true
     }
@@ -1800,6 +1823,12 @@ impl EpCore {
                 timeout_ms = timeout.as_millis() as u64,
                 outstanding = l.user_sq,
                 receives = l.rq.len(),
+                on_device = l.hw_sq,
+                held_back = l.pending,
+                sends_posted = l.sends_hw,
+                peer_receives = self.credit.as_ref().map(|c| c.peer_posted()),
+                credit_owed = l.credit_dirty,
+                probe_in_flight = l.probe.is_some_and(|seq| l.sq.iter().any(|r| r.seq == seq)),
                 "no sign of life from the peer within the dead-peer timeout: endpoint declared dead, its queue pair destroyed; outstanding requests complete RetryExceeded (the oldest) and Flushed"
             );
             self.leave(&mut l, || {
@@ -2001,7 +2030,7 @@ impl EpCore {
             self.send_cq.release_internal(1);
             return;
         }
-        Self::record_internal(&mut l, seq);
+        Self::record_internal(&mut l, seq, false);
         if let Err(kind) = result {
             tracing::debug!(
                 qp = self.qpn,
@@ -2217,7 +2246,7 @@ impl EpCore {
 
     /// Records an internal request the device now holds (credit update, liveness probe):
     /// ahead of the application requests still held back, so completions stay in order.
-    fn record_internal(l: &mut Ledger, seq: u64) {
+    fn record_internal(l: &mut Ledger, seq: u64, is_read: bool) {
         let at = l.sq.len() - l.pending;
         l.sq.insert(
             at,
@@ -2228,6 +2257,7 @@ impl EpCore {
                 user: None,
                 internal: true,
                 is_send: false,
+                is_read,
                 failed: None,
                 group_err: None,
                 emu: None,
@@ -2265,7 +2295,7 @@ impl EpCore {
             tracing::debug!("credit update failed: {e}");
             return false;
         }
-        Self::record_internal(l, seq);
+        Self::record_internal(l, seq, false);
         if off == credit::POSTED && value == l.recvs_posted {
             l.credit_dirty = false;
         }

@@ -276,6 +276,18 @@ pub struct Profile {
     /// `SIW_CM_WORK_PEER_CLOSE`, siw_cm.c). Further clients are refused with a TCP reset.
     /// Not an issue where the listener is not a TCP socket (InfiniBand and RoCE: the IB CM).
     pub listen_early_close: bool,
+    /// Fences are kept by the core, not the device: a request posted with a fence waits in
+    /// the core until every read posted before it has completed, then goes to the device
+    /// without `IBV_SEND_FENCE`. For the kernel's siw in Linux 6.1, where a fenced request
+    /// can deadlock a connection: the request waits in the transmit slot
+    /// (`siw_activate_tx_from_sq` sets `orq_fence`), and a Read Request that arrives
+    /// meanwhile is parked in the inbound read queue without restarting the transmitter
+    /// (`siw_init_rresp` in siw_qp_rx.c: `run_sq = 0` when the slot is busy), so its
+    /// response waits for the fence. When both ends are fenced behind a read of the other,
+    /// neither answers, and the connection stops for good (seen with the RDM layer's
+    /// traffic in both directions: every send is fenced behind the previous one's delivery
+    /// read).
+    pub soft_fence: bool,
     /// The device garbles a payload of at most 32 bytes taken from registered memory when
     /// it crosses a page boundary: the kernel's siw in Linux 6.1 (`siw_try_1seg` in
     /// `siw_qp_tx.c` copies the length of the second piece from the first page, then the
@@ -361,6 +373,7 @@ impl Profile {
             length_as_malformed_wqe: dev.vendor_id == SOFT_ROCE_VENDOR_ID,
             read_protection: true,
             listen_early_close: true,
+            soft_fence: false,
             liveness_probes: false,
             small_page_crossing: false,
             unsupported,
