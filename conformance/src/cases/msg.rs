@@ -1,14 +1,14 @@
 //! Section 3: messaging (send / receive).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use fabric::prelude::*;
 
 use super::cases;
 use crate::ensure;
 use crate::harness::{
-    expect_err, expect_none, expect_ok, expect_ok_each, region, wait_state, Case, CaseResultOf,
-    Ctx, Ctxt,
+    expect_err, expect_none, expect_ok, expect_ok_each, note, region, wait_state, Case,
+    CaseResultOf, Ctx, Ctxt,
 };
 
 pub(super) fn cases() -> Vec<Case> {
@@ -27,6 +27,7 @@ pub(super) fn cases() -> Vec<Case> {
         "msg.inline_over_max", "3", OpSet::SEND | OpSet::INLINE => inline_over_max;
         "msg.two_processes", "3", OpSet::SEND => two_processes;
         "msg.more_posts_leave_in_order", "3", OpSet::SEND | OpSet::WRITE => more_posts;
+        "msg.both_directions_at_once", "3", OpSet::SEND | OpSet::RNR_WAIT => both_directions;
     }
 }
 
@@ -419,5 +420,121 @@ fn two_processes(ctx: &Ctx) -> CaseResultOf {
     let mut peer = peer;
     let code = peer.wait_exit(Duration::from_secs(10))?;
     ensure!(code == 0, "peer exited with {code}");
+    Ok(())
+}
+
+/// Messages each side of [`both_directions`] sends.
+const BOTH_WAYS: u64 = 1000;
+/// Sends each side keeps outstanding, and receive slots (twice as many) it keeps posted.
+const BOTH_WINDOW: u64 = 8;
+/// Length of each message: its sequence number, then the sender's mark.
+const BOTH_LEN: usize = 64;
+/// Receive contexts of [`both_directions`] (slot number added).
+const BOTH_RECV: u64 = 1 << 32;
+
+/// One side of [`both_directions`]: sends [`BOTH_WAYS`] messages marked `mark` with
+/// [`BOTH_WINDOW`] outstanding, while it receives as many marked `peer_mark`, in order,
+/// reposting each receive slot as it completes. Fails when its queue shows nothing for the
+/// run's timeout.
+fn one_direction(
+    ctx: &Ctx,
+    d: &AnyDomain,
+    ep: &AnyEndpoint,
+    cq: &AnyCq,
+    marks: (u8, u8),
+) -> CaseResultOf {
+    let (mark, peer_mark) = marks;
+    let slots = 2 * BOTH_WINDOW;
+    let src = region(d, BOTH_LEN * BOTH_WINDOW as usize, Access::empty())?;
+    let dst = region(d, BOTH_LEN * slots as usize, Access::LOCAL_WRITE)?;
+    fn slot(r: &MemoryRegion, i: u64) -> Result<fabric::Slice<'_>, String> {
+        let at = (i as usize) * BOTH_LEN;
+        r.slice(at..at + BOTH_LEN).ctx("slice")
+    }
+    for i in 0..slots {
+        ep.post_recv(&RecvWr::new(BOTH_RECV + i, &[slot(&dst, i)?]))
+            .ctx("post_recv")?;
+    }
+    let (mut sent, mut done, mut got) = (0u64, 0u64, 0u64);
+    let mut out = Vec::with_capacity(16);
+    let mut heard = Instant::now();
+    while done < BOTH_WAYS || got < BOTH_WAYS {
+        while sent < BOTH_WAYS && sent - done < BOTH_WINDOW {
+            // Slot `sent % window` was last sent `window` messages ago, which completed.
+            let s = sent % BOTH_WINDOW;
+            let mut msg = [mark; BOTH_LEN];
+            msg[..8].copy_from_slice(&sent.to_le_bytes());
+            src.buffer().write(s as usize * BOTH_LEN, &msg);
+            ep.post_send(&SendWr::send(sent, &[slot(&src, s)?]))
+                .ctx("post_send")?;
+            sent += 1;
+        }
+        if cq.poll(&mut out, 16).ctx("poll")? == 0 {
+            ensure!(
+                heard.elapsed() < ctx.timeout,
+                "nothing completed for {:?}: {sent} of {BOTH_WAYS} sent, {done} completed, {got} received",
+                ctx.timeout
+            );
+            std::thread::yield_now();
+            continue;
+        }
+        heard = Instant::now();
+        for c in out.drain(..) {
+            ensure!(c.status == Status::Success, "completion failed: {c:?}");
+            match c.opcode {
+                Opcode::Send => {
+                    ensure!(
+                        c.context == done,
+                        "send {} completed as number {done}",
+                        c.context
+                    );
+                    done += 1;
+                }
+                Opcode::Recv => {
+                    let i = got % slots;
+                    ensure!(
+                        c.context == BOTH_RECV + i,
+                        "receive {:#x} completed as number {got}",
+                        c.context
+                    );
+                    ensure!(
+                        c.byte_len == BOTH_LEN as u64,
+                        "message of {} bytes",
+                        c.byte_len
+                    );
+                    let b = dst.buffer().to_vec(i as usize * BOTH_LEN, BOTH_LEN);
+                    let seq = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
+                    ensure!(
+                        seq == got && b[8..].iter().all(|&x| x == peer_mark),
+                        "receive {got} holds message {seq} (mark {:#x})",
+                        b[8]
+                    );
+                    got += 1;
+                    ep.post_recv(&RecvWr::new(BOTH_RECV + i, &[slot(&dst, i)?]))
+                        .ctx("repost")?;
+                }
+                o => return Err(format!("unexpected completion {o:?}")),
+            }
+        }
+    }
+    Ok(())
+}
+
+fn both_directions(ctx: &Ctx) -> CaseResultOf {
+    // Both ends send to each other at once, each from its own thread: every message
+    // arrives, in order, and neither end stalls. (On siw a fenced request could stop a
+    // connection for good when both ends were fenced behind a read of the other: see
+    // fabric-verbs' `Profile::soft_fence`.)
+    let p = ctx.pair()?;
+    std::thread::scope(|s| {
+        let a = s.spawn(|| one_direction(ctx, &p.da, &p.a, &p.cqa, (b'a', b'b')));
+        let b = one_direction(ctx, &p.db, &p.b, &p.cqb, (b'b', b'a'));
+        let a = a.join().map_err(|_| "side a panicked".to_string())?;
+        a.map_err(|e| format!("side a: {e}"))?;
+        b.map_err(|e| format!("side b: {e}"))
+    })?;
+    note(format!(
+        "{BOTH_WAYS} messages of {BOTH_LEN} B each way at once, {BOTH_WINDOW} outstanding a side"
+    ));
     Ok(())
 }
