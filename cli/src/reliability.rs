@@ -3,7 +3,8 @@
 //! Reads JSON reports (`fabric conformance --format json`), keeps the fault and
 //! reliability scenarios (the `fault.*` cases, `conn.peer_killed_mid_transfer`,
 //! `conn.peer_exit_is_a_disconnect`, `conn.graceful_close_flushes_both_sides`, the `bad.*`
-//! hostile-input cases and `cq.error_state_flushes_and_refuses`) and writes a markdown
+//! hostile-input cases, `cq.error_state_flushes_and_refuses` and
+//! `msg.both_directions_at_once`) and writes a markdown
 //! table, scenario x provider, with each outcome and the time the case took next to the
 //! bound it holds the provider to, then every case's detail (what it observed or why it
 //! failed). Nothing in the document is written by hand: the bounds are the cases' own.
@@ -16,11 +17,12 @@ use std::process::ExitCode;
 use fabric_conformance::{CaseResult, Report};
 
 /// Cases outside `fault.*` and `bad.*` that belong in the document.
-const EXTRA: [&str; 4] = [
+const EXTRA: [&str; 5] = [
     "conn.peer_killed_mid_transfer",
     "conn.peer_exit_is_a_disconnect",
     "conn.graceful_close_flushes_both_sides",
     "cq.error_state_flushes_and_refuses",
+    "msg.both_directions_at_once",
 ];
 
 /// True for the cases RELIABILITY.md covers.
@@ -90,6 +92,10 @@ fn scenario(name: &str) -> (&'static str, &'static str) {
         "bad.error_keeps_acknowledged_data" => (
             "a bad-key write after an acknowledged write: RemoteAccess; acknowledged data unchanged, refused write places nothing",
             "RemoteAccess < 10 s",
+        ),
+        "msg.both_directions_at_once" => (
+            "both ends send 1000 messages to each other at once, from a thread each, 8 outstanding a side: all arrive in order, all sends complete (siw's own fence stopped such a connection for good: the iwarp provider keeps fences itself)",
+            "no completion gap >= 10 s",
         ),
         _ => ("", "-"),
     }
