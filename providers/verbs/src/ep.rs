@@ -1430,11 +1430,15 @@ impl EpCore {
         let (sends_hw, amo_sent) = (l.sends_hw, l.amo_sent);
         let Ledger { sq, unposted, .. } = &mut *l;
         let wrs = &mut unposted.make_contiguous()[..group.len()];
-        for (r, w) in sq.range(group.clone()).zip(wrs.iter_mut()) {
+        // Bit i: the group's request i asked for a fence, kept off the device (below) and
+        // given back if the device takes none of the group, which then waits again.
+        let mut fences = 0u64;
+        for (i, (r, w)) in sq.range(group.clone()).zip(wrs.iter_mut()).enumerate() {
             w.wr_id = r.seq;
-            if soft_fence {
+            if soft_fence && w.fence && i < 64 {
                 // No read of ours is outstanding (above): the device's fence is not needed,
                 // and on siw it could deadlock the connection.
+                fences |= 1 << i;
                 w.fence = false;
             }
             if let (Some(rec), Some(e)) = (&r.emu, &self.emu) {
@@ -1528,6 +1532,9 @@ impl EpCore {
             Err((_, e)) => {
                 let err = post_error(&e);
                 if posted == 0 {
+                    for (i, w) in l.unposted.iter_mut().take(64).enumerate() {
+                        w.fence |= fences >> i & 1 == 1;
+                    }
                     return Posted::Refused(err);
                 }
                 // Part of the group reached the device: the rest stays the unposted
