@@ -24,7 +24,13 @@ use crate::sys;
 
 /// The last OS error as an [`io::Error`].
 fn last_err() -> io::Error {
-    io::Error::last_os_error()
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(0) {
+        // Seen from rdma_create_qp on siw: librdmacm's error path can leave errno at 0, and
+        // "Success (os error 0)" would read as if nothing failed.
+        return io::Error::other("failed without an errno (the library left errno at 0)");
+    }
+    e
 }
 
 /// Turns a C return code (0 ok, -1 with errno, or a positive errno) into a result.
