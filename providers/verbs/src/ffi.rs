@@ -1651,6 +1651,24 @@ mod tcp_tests {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_failure_that_left_errno_at_zero_does_not_read_as_success() {
+        let set = |v: i32| {
+            // SAFETY: errno is this thread's own variable; writing it is what C code does.
+            #[allow(unsafe_code)]
+            unsafe {
+                *libc::__errno_location() = v
+            }
+        };
+        set(0);
+        let e = check(-1).expect_err("-1 is a failure");
+        assert_eq!(e.raw_os_error(), None, "{e}");
+        assert!(e.to_string().contains("without an errno"), "{e}");
+        set(libc::EINVAL);
+        let e = check(-1).expect_err("-1 is a failure");
+        assert_eq!(e.raw_os_error(), Some(libc::EINVAL));
+    }
+
     fn wr(sges: &[Sge], inline: Option<&[u8]>) -> HwWr {
         HwWr {
             wr_id: 0,
