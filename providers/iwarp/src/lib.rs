@@ -76,6 +76,14 @@
 //!   bytes from registered memory that crosses a page boundary is garbled (always for Read
 //!   Responses). Such reads are split at the remote page boundary, such writes at the local
 //!   one, and such sends go inline.
+//! * **libsiw's mmap sentinel** (`Profile::mmap_sentinel_guard`): libsiw reads a queue
+//!   the kernel mapped at offset 0x90000 as "no mapping", destroys the queue pair or CQ it
+//!   just created and returns NULL with errno untouched (often 0). The kernel places the
+//!   queues of a context first-fit from offset 0, so which one lands there depends on the
+//!   order endpoints were opened in; the `ring_allreduce` example (three endpoints opened
+//!   from three threads) failed so about one run in ten. The first domain on siw in a
+//!   process puts a 1 MiB CQ on librdmacm's context before anything else, which holds the
+//!   offsets below 1 MiB for the life of the process.
 //! * **Graceful close versus failure**: siw reports both as a closed connection. A closing
 //!   endpoint writes a close mark into the peer's credit area first, so the peer reports
 //!   `Disconnected` for a close and `Error` for anything else.
@@ -267,6 +275,7 @@ impl Flavor for Iwarp {
             soft_fence: dev.vendor_id == SIW_VENDOR_ID,
             liveness_probes: true,
             small_page_crossing: dev.vendor_id == SIW_VENDOR_ID,
+            mmap_sentinel_guard: dev.vendor_id == SIW_VENDOR_ID,
             unsupported,
             emulated,
         }

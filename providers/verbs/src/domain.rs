@@ -476,6 +476,9 @@ impl<F: Flavor> VerbsDomain<F> {
                 format!("librdmacm cannot open {}: {e}", dev.name),
             )
         })?;
+        if profile.mmap_sentinel_guard {
+            crate::ffi::guard_siw_sentinel(ctx);
+        }
         let pd = Pd::alloc(ctx).map_err(Error::from)?;
         let info = ProviderInfo {
             name: F::NAME.into(),
@@ -1516,6 +1519,7 @@ mod tests {
             soft_fence: true,
             liveness_probes: true,
             small_page_crossing: false,
+            mmap_sentinel_guard: false,
             unsupported: BTreeMap::new(),
             emulated: Vec::new(),
         };

@@ -105,3 +105,28 @@ pub(crate) fn take(len: usize) -> Option<(usize, i32)> {
     REFUSED.fetch_add(1, Ordering::SeqCst);
     Some(out)
 }
+
+/// What libsiw makes of a queue mapped at its "no mapping" sentinel (see
+/// `Profile::mmap_sentinel_guard`), on two private contexts of `device`: one-page CQs are
+/// created until one maps at the sentinel's offset, first on a bare context, then on one
+/// holding the domain's guard CQ. Each field is the index of the first CQ that failed, if
+/// one did: on Linux 6.1's siw the bare context fails exactly at the sentinel's page, and
+/// the guarded one does not fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SentinelCheck {
+    /// The first CQ that failed on the bare context.
+    pub bare: Option<usize>,
+    /// The first CQ that failed on the guarded context.
+    pub guarded: Option<usize>,
+    /// The index of the CQ that maps at the sentinel offset (0x90000 over the page size).
+    pub sentinel_index: usize,
+}
+
+/// Runs the [`SentinelCheck`] on `device`.
+pub fn mmap_sentinel(device: &str) -> std::io::Result<SentinelCheck> {
+    Ok(SentinelCheck {
+        bare: crate::ffi::fill_to_sentinel(device, false)?,
+        guarded: crate::ffi::fill_to_sentinel(device, true)?,
+        sentinel_index: crate::ffi::sentinel_page_index(),
+    })
+}

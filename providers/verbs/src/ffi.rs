@@ -807,6 +807,140 @@ impl CSockAddr {
     }
 }
 
+// ----- siw's mmap-key sentinel -------------------------------------------------------------
+
+/// The mmap offset libsiw (rdma-core's `providers/siw`) reads as "the kernel made no mapping"
+/// (`SIW_INVAL_UOBJ_KEY` in `rdma/siw-abi.h`, 0x90000). The kernel hands out the offsets of
+/// a user context first-fit from 0 (`rdma_user_mmap_entry_insert_range`), so a queue whose
+/// mapping happens to begin there is a good one that libsiw takes for a failure: it destroys
+/// the QP or CQ it was creating and returns NULL with errno untouched (often 0). Where the
+/// mappings of one context fall depends on the order its queues were created in, so this
+/// strikes one run in ten or so of a process that opens a few endpoints from several threads.
+pub(crate) const SIW_SENTINEL_OFFSET: usize = 0x9_0000;
+
+/// Completion entries of the guard CQ: 32 bytes each, so its queue maps 1 MiB, past the
+/// sentinel whatever the page size.
+const SENTINEL_GUARD_CQES: i32 = 32 * 1024;
+
+/// Creates the guard CQ on `ctx`: in a context with nothing mapped yet its queue takes the
+/// offsets from 0 to past 1 MiB, so no later mapping can begin at [`SIW_SENTINEL_OFFSET`].
+///
+/// # Safety
+/// `ctx` is an open context, and the caller destroys the CQ before closing it (or never
+/// closes it).
+unsafe fn sentinel_guard_cq(ctx: *mut sys::ibv_context) -> io::Result<*mut sys::ibv_cq> {
+    // SAFETY: `ctx` is open (the caller's contract); no channel, no context pointer.
+    let cq = unsafe {
+        sys::ibv_create_cq(
+            ctx,
+            SENTINEL_GUARD_CQES,
+            ptr::null_mut(),
+            ptr::null_mut(),
+            0,
+        )
+    };
+    if cq.is_null() {
+        return Err(last_err());
+    }
+    Ok(cq)
+}
+
+/// Puts the guard CQ on librdmacm's context `ctx`, once per context, for the life of the
+/// process (librdmacm keeps the context open as long; the 1 MiB is the price). Called
+/// before the domain creates anything on the context; when the process created queues on
+/// it before (another library, or a domain opened earlier), the guard lands past them and
+/// protects nothing, which is logged.
+pub(crate) fn guard_siw_sentinel(ctx: Ctx) {
+    static GUARDED: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+    let mut guarded = GUARDED.lock().unwrap_or_else(|e| e.into_inner());
+    if guarded.contains(&(ctx.raw() as usize)) {
+        return;
+    }
+    // SAFETY: librdmacm's contexts stay open for the life of the process, and the guard CQ
+    // is never destroyed.
+    match unsafe { sentinel_guard_cq(ctx.raw()) } {
+        Ok(_) => {
+            guarded.push(ctx.raw() as usize);
+            tracing::debug!("siw: guard CQ holds the mmap offsets below 1 MiB");
+        }
+        Err(e) => tracing::warn!(
+            "siw: the guard CQ against libsiw's mmap-key sentinel failed ({e}); creating a \
+             queue pair or CQ may fail now and then with errno 0"
+        ),
+    }
+}
+
+/// The index of the first of a run of one-page mappings from offset 0 that begins at
+/// [`SIW_SENTINEL_OFFSET`].
+pub(crate) fn sentinel_page_index() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+    SIW_SENTINEL_OFFSET / page
+}
+
+/// On a private context of `device`, guarded first or not: creates one-page CQs until one
+/// would map at [`SIW_SENTINEL_OFFSET`] (that one included); returns the index of the
+/// first that failed, if any. Every object is destroyed before the context is closed.
+pub(crate) fn fill_to_sentinel(device: &str, guard: bool) -> io::Result<Option<usize>> {
+    let mut n = 0i32;
+    // SAFETY: `n` is a valid out-pointer; the list is freed below.
+    let list = unsafe { sys::ibv_get_device_list(&mut n) };
+    if list.is_null() {
+        return Err(last_err());
+    }
+    let mut ctx = ptr::null_mut();
+    for i in 0..n.max(0) as usize {
+        // SAFETY: the list holds `n` device pointers.
+        let dev = unsafe { *list.add(i) };
+        // SAFETY: `dev` is a device of the live list.
+        if !dev.is_null() && cstr(unsafe { sys::ibv_get_device_name(dev) }) == device {
+            // SAFETY: as above; the context is closed at the end of this function.
+            ctx = unsafe { sys::ibv_open_device(dev) };
+            break;
+        }
+    }
+    // SAFETY: from ibv_get_device_list, freed once; the open context does not need it.
+    unsafe { sys::ibv_free_device_list(list) };
+    if ctx.is_null() {
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("cannot open a context of {device}"),
+        ));
+    }
+    let guard_cq = if guard {
+        // SAFETY: `ctx` is open; the guard is destroyed below, before the context is closed.
+        match unsafe { sentinel_guard_cq(ctx) } {
+            Ok(cq) => Some(cq),
+            Err(e) => {
+                // SAFETY: nothing was created on `ctx`.
+                unsafe { sys::ibv_close_device(ctx) };
+                return Err(e);
+            }
+        }
+    } else {
+        None
+    };
+    // A CQ of 64 entries maps 64 * 32 bytes and its 8-byte control word: one page.
+    let mut cqs = Vec::new();
+    let mut failed = None;
+    for i in 0..=sentinel_page_index() {
+        // SAFETY: `ctx` is open; the CQ is destroyed below.
+        let cq = unsafe { sys::ibv_create_cq(ctx, 64, ptr::null_mut(), ptr::null_mut(), 0) };
+        if cq.is_null() {
+            failed.get_or_insert(i);
+        } else {
+            cqs.push(cq);
+        }
+    }
+    for cq in cqs.into_iter().chain(guard_cq) {
+        // SAFETY: created above on `ctx`, destroyed once.
+        unsafe { sys::ibv_destroy_cq(cq) };
+    }
+    // SAFETY: every object created on `ctx` was destroyed.
+    unsafe { sys::ibv_close_device(ctx) };
+    Ok(failed)
+}
+
 // ----- rdma_cm ---------------------------------------------------------------------------
 
 /// `rdma_cm_event_type` values.

@@ -295,6 +295,15 @@ pub struct Profile {
     /// sent from its transmit thread. The core splits such reads at the remote page
     /// boundary and such writes at the local one, and sends such sends inline.
     pub small_page_crossing: bool,
+    /// The device's user library takes a good queue mapped at one mmap offset for a failed
+    /// one: libsiw (rdma-core) reads offset 0x90000 as its "no mapping" sentinel, destroys
+    /// the QP or CQ it was creating and returns NULL with errno untouched. The kernel hands
+    /// out the offsets of a context first-fit from 0, so which queue lands there depends on
+    /// the order queues were created in: about one run in ten of three endpoints opened
+    /// from three threads failed to create a queue pair. The domain puts a CQ whose queue
+    /// covers the offsets below 1 MiB on librdmacm's context before anything else, once per
+    /// process, so no queue can begin at the sentinel.
+    pub mmap_sentinel_guard: bool,
     /// Dead-peer detection by the provider (iWARP, whose queue pairs have no ACK timer):
     /// the domain's helper thread watches every endpoint and probes a quiet one with a
     /// delivery read; an endpoint that shows no sign of life within the dead-peer timeout
@@ -376,6 +385,7 @@ impl Profile {
             soft_fence: false,
             liveness_probes: false,
             small_page_crossing: false,
+            mmap_sentinel_guard: false,
             unsupported,
             emulated: Vec::new(),
         }
