@@ -26,8 +26,9 @@ use crate::sys;
 fn last_err() -> io::Error {
     let e = io::Error::last_os_error();
     if e.raw_os_error() == Some(0) {
-        // Seen from rdma_create_qp on siw: librdmacm's error path can leave errno at 0, and
-        // "Success (os error 0)" would read as if nothing failed.
+        // Seen from rdma_create_qp on siw: libsiw fails a creation without setting errno
+        // (see `SIW_SENTINEL_OFFSET`), and "Success (os error 0)" would read as if nothing
+        // failed.
         return io::Error::other("failed without an errno (the library left errno at 0)");
     }
     e
