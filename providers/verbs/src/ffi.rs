@@ -89,28 +89,35 @@ pub(crate) struct RawDevice {
 /// Lists every verbs device libibverbs sees, with attributes, ports and GID tables.
 /// `Err` carries errno when libibverbs itself failed (no kernel support).
 pub(crate) fn probe_devices() -> io::Result<Vec<RawDevice>> {
+    let mut out = Vec::new();
+    each_device(|dev| match probe_one(dev) {
+        Ok(d) => out.push(d),
+        Err(e) => tracing::debug!("probing a verbs device failed: {e}"),
+    })?;
+    Ok(out)
+}
+
+/// Calls `f` with every device of libibverbs' device list, which is freed afterwards: a
+/// device pointer must not outlive the call (a context opened from it may).
+fn each_device(mut f: impl FnMut(*mut sys::ibv_device)) -> io::Result<()> {
     let mut n = 0i32;
     // SAFETY: `n` is a valid out-pointer; the list is freed below with
-    // ibv_free_device_list and no device pointer escapes this function.
+    // ibv_free_device_list, and no device pointer escapes the calls of `f`.
     let list = unsafe { sys::ibv_get_device_list(&mut n) };
     if list.is_null() {
         return Err(last_err());
     }
-    let mut out = Vec::new();
     for i in 0..n.max(0) as usize {
         // SAFETY: the list holds `n` valid device pointers.
         let dev = unsafe { *list.add(i) };
         if dev.is_null() {
             break;
         }
-        match probe_one(dev) {
-            Ok(d) => out.push(d),
-            Err(e) => tracing::debug!("probing a verbs device failed: {e}"),
-        }
+        f(dev);
     }
     // SAFETY: `list` came from ibv_get_device_list and is freed once.
     unsafe { sys::ibv_free_device_list(list) };
-    Ok(out)
+    Ok(())
 }
 
 fn cstr(p: *const libc::c_char) -> String {
@@ -883,25 +890,14 @@ pub(crate) fn sentinel_page_index() -> usize {
 /// would map at [`SIW_SENTINEL_OFFSET`] (that one included); returns the index of the
 /// first that failed, if any. Every object is destroyed before the context is closed.
 pub(crate) fn fill_to_sentinel(device: &str, guard: bool) -> io::Result<Option<usize>> {
-    let mut n = 0i32;
-    // SAFETY: `n` is a valid out-pointer; the list is freed below.
-    let list = unsafe { sys::ibv_get_device_list(&mut n) };
-    if list.is_null() {
-        return Err(last_err());
-    }
-    let mut ctx = ptr::null_mut();
-    for i in 0..n.max(0) as usize {
-        // SAFETY: the list holds `n` device pointers.
-        let dev = unsafe { *list.add(i) };
+    let mut ctx: *mut sys::ibv_context = ptr::null_mut();
+    each_device(|dev| {
         // SAFETY: `dev` is a device of the live list.
-        if !dev.is_null() && cstr(unsafe { sys::ibv_get_device_name(dev) }) == device {
+        if ctx.is_null() && cstr(unsafe { sys::ibv_get_device_name(dev) }) == device {
             // SAFETY: as above; the context is closed at the end of this function.
             ctx = unsafe { sys::ibv_open_device(dev) };
-            break;
         }
-    }
-    // SAFETY: from ibv_get_device_list, freed once; the open context does not need it.
-    unsafe { sys::ibv_free_device_list(list) };
+    })?;
     if ctx.is_null() {
         return Err(io::Error::new(
             io::ErrorKind::NotFound,
