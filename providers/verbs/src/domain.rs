@@ -304,6 +304,27 @@ impl fmt::Debug for DomainInner {
     }
 }
 
+/// A queue the device library failed to create, as an error that says which. On siw, a
+/// failure without an errno is most likely libsiw's mmap sentinel
+/// (`Profile::mmap_sentinel_guard`), met when the guard was not the first queue on the
+/// process's context: the message says so.
+fn creation_error(profile: &crate::Profile, what: &str, e: std::io::Error) -> Error {
+    let hint = if profile.mmap_sentinel_guard && e.raw_os_error().is_none() {
+        " (libsiw fails a queue that the kernel mapped at offset 0x90000 this way; the \
+         domain's guard against it comes too late when the process created queues on this \
+         device before its first domain)"
+    } else {
+        ""
+    };
+    let code = e.raw_os_error().map(ProviderCode::Errno);
+    let err = Error::from(e);
+    let err = Error::new(err.kind(), format!("{what}: {}{hint}", err.message()));
+    match code {
+        Some(c) => err.with_code(c),
+        None => err,
+    }
+}
+
 impl DomainInner {
     /// Registers a buffer with raw verbs access flags.
     pub fn register_raw(&self, buf: &Arc<Buffer>, flags: u32) -> Result<Mr> {
@@ -571,13 +592,7 @@ impl<F: Flavor> VerbsDomain<F> {
         let caps = d.qp_caps(cfg.sq_depth, cfg.rq_depth);
         let got = id
             .create_qp(&d.pd, &cfg.send_cq.inner.hw, &cfg.recv_cq.inner.hw, caps)
-            .map_err(|e| Error::from(e).with_code(ProviderCode::Errno(0)))
-            .map_err(|e| {
-                Error::new(
-                    e.kind(),
-                    format!("creating the queue pair: {}", e.message()),
-                )
-            })?;
+            .map_err(|e| creation_error(&d.profile, "creating the queue pair", e))?;
         Ok(got.send_wr as usize)
     }
 
@@ -800,7 +815,8 @@ impl<F: Flavor> spi::Domain for VerbsDomain<F> {
         } else {
             0
         };
-        let hw = HwCq::new(d.ctx, capacity + internal).map_err(Error::from)?;
+        let hw = HwCq::new(d.ctx, capacity + internal)
+            .map_err(|e| creation_error(&d.profile, "creating the completion queue", e))?;
         Ok(VerbsCq::new(CqInner::new(hw, capacity, internal)?))
     }
 
@@ -1480,9 +1496,9 @@ impl Registration for VerbsRegistration {
 mod tests {
     use super::*;
 
-    #[test]
-    fn limits_leave_room_for_the_header_and_the_provider_requests() {
-        let dev = DeviceFacts {
+    /// siw's facts, as Linux 6.1 reports them.
+    fn siw_facts() -> DeviceFacts {
+        DeviceFacts {
             name: "siw0".into(),
             transport: crate::Transport::Iwarp,
             node_guid: 0,
@@ -1498,7 +1514,12 @@ mod tests {
             atomic_cap: 0,
             max_inline: 80,
             ports: Vec::new(),
-        };
+        }
+    }
+
+    #[test]
+    fn limits_leave_room_for_the_header_and_the_provider_requests() {
+        let dev = siw_facts();
         let mut p = Profile {
             atomics: false,
             immediate: false,
@@ -1544,5 +1565,27 @@ mod tests {
         assert_eq!(l.max_cq_entries, 3_276_800);
         assert_eq!(l.max_outstanding_reads, WANT_RD_ATOM);
         assert!(ops_of(&p, &l).contains(OpSet::ATOMICS | OpSet::SEND_IMM | OpSet::WRITE_IMM));
+    }
+
+    #[test]
+    fn a_queue_created_without_an_errno_on_siw_names_the_sentinel() {
+        let mut p = Profile::ib_transport(&siw_facts());
+        p.mmap_sentinel_guard = true;
+        let silent = std::io::Error::other("failed without an errno");
+        let e = creation_error(&p, "creating the queue pair", silent);
+        assert!(
+            e.message()
+                .starts_with("creating the queue pair: failed without an errno")
+                && e.message().contains("0x90000"),
+            "{e}"
+        );
+        assert_eq!(e.code(), None);
+        let nomem = std::io::Error::from_raw_os_error(libc::ENOMEM);
+        let e = creation_error(&p, "creating the completion queue", nomem);
+        assert!(!e.message().contains("0x90000"), "{e}");
+        assert_eq!(e.code(), Some(ProviderCode::Errno(libc::ENOMEM)));
+        p.mmap_sentinel_guard = false;
+        let e = creation_error(&p, "creating the queue pair", std::io::Error::other("x"));
+        assert!(!e.message().contains("0x90000"), "{e}");
     }
 }
