@@ -31,7 +31,8 @@ pub mod area {
     pub const POSTED: usize = 0;
     /// Non-zero once the peer closed gracefully (written by the peer).
     pub const CLOSED: usize = 8;
-    /// Sink of the owner's delivery reads.
+    /// Where the owner's zero-length entries point (a receive for zero-byte messages, a
+    /// zero-length read to a peer without an area): nothing is ever placed there.
     pub const SCRATCH: usize = 16;
     /// Non-zero once the peer announced that it is of this framework although its
     /// connection request carried no frame (the tcp provider, as the initiator, writes it
@@ -49,7 +50,30 @@ pub mod area {
     pub const EMU_OF_PEER: usize = 48;
     /// Size of the area.
     pub const LEN: usize = 64;
+    /// Bytes a delivery read (or liveness probe) reads of the peer's area: all of it, from
+    /// [`POSTED`] on. More than siw's `MAX_HDR_INLINE` (32 bytes) on purpose: siw (Linux 6.1
+    /// `siw_try_1seg`) copies a payload of at most 32 bytes with `copy_from_user` whenever
+    /// the queue pair's `in_syscall` flag is set, and the flag is still set for a moment
+    /// after the owner's `ibv_post_send` finished transmitting. A Read Response that siw's
+    /// transmit thread builds in that moment is copied from no user address space, fails
+    /// with `EFAULT`, and siw drops the connection (`siw_qp_sq_process: wqe type 9
+    /// processing failed: -14`). A longer response is built from the registered pages.
+    pub const READ_LEN: usize = LEN;
+    /// Where the owner's delivery reads land: a sink of [`READ_LEN`] bytes right after the
+    /// area, in the same registration. Local to the owner, never named on the wire.
+    pub const SINK: usize = LEN;
+    /// Bytes the owner allocates and registers for its area: the area and the sink.
+    pub const LOCAL_LEN: usize = SINK + READ_LEN;
+
+    const _: () = assert!(READ_LEN > super::SIW_HDR_INLINE, "see READ_LEN");
 }
+
+/// The largest payload siw copies straight into its packet header (`MAX_HDR_INLINE` in
+/// Linux 6.1 `siw_qp_tx.c`, `siw_try_1seg`: 32 bytes). That copy has two faults both
+/// providers work around: it garbles a payload that crosses a page of registered memory,
+/// and it fails (`EFAULT`, the connection dropped) when siw's transmit thread makes it
+/// while the queue pair's `in_syscall` flag is still set (see [`area::READ_LEN`]).
+pub const SIW_HDR_INLINE: usize = 32;
 
 /// Where a peer's credit area is: its address and steering tag (remote key).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

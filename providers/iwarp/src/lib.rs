@@ -23,7 +23,7 @@
 //!   everything posted after it, in order) until then. Held sends are retried on a timer
 //!   by the domain's RNR thread, as a device retries after an RNR NAK.
 //! * **Delivery-complete sends and writes**: iWARP completes them at transmit. Each is
-//!   followed by an 8-byte RDMA Read of the peer's credit area; the application's
+//!   followed by a 64-byte RDMA Read of the peer's credit area; the application's
 //!   completion is the read's, so it means the bytes were placed at the target (RDMAP
 //!   processes a stream in order). Each send and write is fenced behind earlier reads, so
 //!   at most one of them is unconfirmed at a time: throughput costs a round trip per send
@@ -242,7 +242,7 @@ impl Flavor for Iwarp {
         };
         let mut emulated = vec![
             emu("receiver not ready", OpSet::SEND, "credit-based flow control: the receiver RDMA-writes its posted-receive count into the sender's credit area; sends wait in the provider for credits (retried on a timer like an RNR retry)"),
-            emu("delivery-complete sends and writes", OpSet::SEND | OpSet::WRITE, "each is fenced behind earlier reads (on siw by the provider, which holds it until they completed: siw's own fence can deadlock a connection) and followed by an 8-byte RDMA Read of the peer; the completion is the read's"),
+            emu("delivery-complete sends and writes", OpSet::SEND | OpSet::WRITE, "each is fenced behind earlier reads (on siw by the provider, which holds it until they completed: siw's own fence can deadlock a connection) and followed by a 64-byte RDMA Read of the peer; the completion is the read's"),
             emu("read sinks", OpSet::READ, "regions with LOCAL_WRITE are registered locally with REMOTE_WRITE too (iWARP read responses are tagged placements)"),
             emu("dead-peer detection", OpSet::SEND | OpSet::WRITE | OpSet::READ, "emulated, like UCX's keepalive: the queue pair has no ACK timer and the kernel's TCP socket under it no keepalive, so the domain's helper thread watches every endpoint; any completion or TCP segment from the peer is a sign of life, a quiet endpoint is probed with a delivery read, and one quiet for the dead-peer timeout ([iwarp] dead_peer_timeout_ms, default 10 s) is declared dead: the oldest outstanding operation completes RetryExceeded, the rest Flushed, the queue pair is destroyed"),
         ];

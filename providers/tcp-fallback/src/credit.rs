@@ -7,8 +7,8 @@
 //! (word [`area::POSTED`]). Against that provider the tcp provider does the same, both
 //! ways:
 //!
-//! * it owns an area ([`LocalArea`]: [`area::LEN`] bytes registered for remote write and
-//!   read in the domain's STag table), which it names to the peer: in its reply's frame as
+//! * it owns an area ([`LocalArea`]: [`area::LEN`] bytes, and the sink of its delivery
+//!   reads after them, registered for remote write and read in the domain's STag table), which it names to the peer: in its reply's frame as
 //!   the responder, and as the initiator (whose request carried no frame) by writing the
 //!   descriptor at [`area::AREA_OF_PEER`] of the peer's area right before its hello mark;
 //! * a message that consumes a receive at the peer (a Send) leaves only while
@@ -43,7 +43,7 @@ pub(crate) struct LocalArea {
 impl LocalArea {
     /// Allocates the area and registers it in the domain's STag table.
     pub fn new(keys: &Arc<KeyTable>) -> LocalArea {
-        let buf = Arc::new(Buffer::new(area::LEN));
+        let buf = Arc::new(Buffer::new(area::LOCAL_LEN));
         let stag = keys.insert(
             buf.clone(),
             Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
@@ -75,10 +75,12 @@ impl LocalArea {
         self.buf.read_pod::<u64>(area::CLOSED) != 0
     }
 
-    /// Where our delivery reads land: the area's scratch word (they read the peer's
-    /// posted-receive count, only for the ordering of the response).
-    pub fn scratch(&self) -> (Arc<Buffer>, usize, usize) {
-        (self.buf.clone(), area::SCRATCH, 8)
+    /// Where our delivery reads land: the sink after the area ([`area::SINK`]). They read
+    /// the peer's whole area ([`area::READ_LEN`] bytes, only for the ordering of the
+    /// response): siw builds a response of at most 32 bytes in a way that can fail the
+    /// connection (see [`area::READ_LEN`]).
+    pub fn sink(&self) -> (Arc<Buffer>, usize, usize) {
+        (self.buf.clone(), area::SINK, area::READ_LEN)
     }
 
     /// The descriptor as the initiator writes it at [`area::AREA_OF_PEER`]: two words in

@@ -726,8 +726,9 @@ fn credits_flow_both_ways(
         "{h:?}"
     );
     assert_eq!(payload, b"credit!!");
-    // The delivery read is not empty: 8 bytes of the peer's area (siw fails empty reads it
-    // serves while transmitting).
+    // The delivery read is not empty, and longer than siw's 32-byte header-inline limit:
+    // the peer's whole area (siw fails empty reads it serves while transmitting, and can
+    // fail short ones built by its transmit thread).
     let (h, payload) = read_fpdu(raw);
     assert!(
         matches!(
@@ -742,7 +743,11 @@ fn credits_flow_both_ways(
     let rr = ReadRequest::decode(&payload).unwrap();
     assert_eq!(
         (rr.size, rr.src_stag, rr.src_to),
-        (8, peer.stag, peer.addr + area::POSTED as u64)
+        (
+            area::READ_LEN as u32,
+            peer.stag,
+            peer.addr + area::POSTED as u64
+        )
     );
     let (h, _) = read_fpdu(raw);
     assert!(

@@ -135,7 +135,7 @@ pub(crate) struct CreditArea {
 impl CreditArea {
     /// Allocates and registers our area (remote write and read for the peer).
     pub fn local(dom: &DomainInner) -> Result<(Arc<Buffer>, Mr)> {
-        let buf = Arc::new(Buffer::new(credit::LEN));
+        let buf = Arc::new(Buffer::new(credit::LOCAL_LEN));
         let mr = dom.register_raw(
             &buf,
             ffi::access::LOCAL_WRITE | ffi::access::REMOTE_WRITE | ffi::access::REMOTE_READ,
@@ -552,9 +552,9 @@ type Planned = SmallVec<[(HwWr, Option<EmuRec>); 3]>;
 /// Page size of the registered-memory layout that
 /// [`Profile::small_page_crossing`](crate::Profile::small_page_crossing) is about.
 const PAGE: u64 = 4096;
-/// Largest payload siw copies into its packet header directly (`MAX_HDR_INLINE` in Linux
-/// 6.1 `siw_qp_tx.c`: 32 bytes), the copy that garbles a page crossing.
-const SMALL_PAYLOAD: u32 = 32;
+/// Largest payload siw copies into its packet header directly, the copy that garbles a
+/// page crossing ([`pdata::SIW_HDR_INLINE`]).
+const SMALL_PAYLOAD: u32 = pdata::SIW_HDR_INLINE as u32;
 
 /// Works around a device that garbles a payload of at most [`SMALL_PAYLOAD`] bytes
 /// from registered memory when it crosses a page boundary
@@ -898,6 +898,9 @@ impl EpCore {
                 fence: false,
             });
         };
+        // The peer's whole area into our sink: a response longer than siw's 32-byte
+        // header-inline limit, which siw can build safely from its transmit thread (see
+        // `credit::READ_LEN`).
         Some(HwWr {
             wr_id: 0,
             op: HwOp::Read {
@@ -905,8 +908,8 @@ impl EpCore {
                 rkey: c.peer.1,
             },
             sges: smallvec![Sge {
-                addr: c.buf.addr() + credit::SCRATCH as u64,
-                len: 8,
+                addr: c.buf.addr() + credit::SINK as u64,
+                len: credit::READ_LEN as u32,
                 lkey: c.mr.lkey(),
             }],
             inline: None,
@@ -1003,7 +1006,7 @@ impl EpCore {
                     // A zero-length RDMA Read names no memory and checks no key; siw
                     // mishandles it (it takes the sink STag of an entry that is not there
                     // and sometimes fails the response, IBV_WC_GENERAL_ERR). Same meaning,
-                    // well-formed: read 8 bytes of the peer's credit area into our scratch.
+                    // well-formed: a delivery read (the peer's credit area into our sink).
                     if let Some(r) = self.delivery_read() {
                         let mut r = r;
                         r.fence = fence;
@@ -1781,7 +1784,7 @@ impl EpCore {
         l.last_life.elapsed() >= d
     }
 
-    /// Posts a liveness probe: the endpoint's delivery read (8 bytes of the peer's credit
+    /// Posts a liveness probe: the endpoint's delivery read (the peer's whole credit
     /// area, or a zero-length read of a peer without one, which base RDMAP carries to any
     /// peer), as an internal request ahead of held-back work. Needs a free internal slot
     /// and send-queue room (never reaps: the ledger's lock is held). Returns whether it

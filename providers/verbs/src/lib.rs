@@ -108,7 +108,7 @@
 //!   sending, so it is never declared dead; a peer that merely posts no receives (sends
 //!   held for credits) answers probes.
 //! * After a quarter of the timeout without a sign of life (idle or not) the endpoint is
-//!   probed: its delivery read (8 bytes of the peer's credit area; a zero-length RDMA Read
+//!   probed: its delivery read (the peer's whole credit area, 64 bytes; a zero-length RDMA Read
 //!   of a peer without one, which base RDMAP carries to any peer), posted unfenced ahead of
 //!   held-back work, one probe at a time. An idle endpoint of a live peer thus costs a
 //!   small read every few seconds.

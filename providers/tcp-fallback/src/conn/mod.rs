@@ -928,8 +928,9 @@ impl Conn {
         // back only once they were placed (or after the Terminate that refused them): the
         // request completes with that response. siw answers zero-length Reads without
         // checking any STag (siw_qp_rx.c, siw_init_rresp: no SGE when the length is 0).
-        // With this framework's iwarp provider (credits) the Read is not empty: 8 bytes of
-        // the peer's credit area into our own, as that provider's delivery reads are. siw
+        // With this framework's iwarp provider (credits) the Read is not empty: the peer's
+        // whole credit area into our sink, as that provider's delivery reads are (longer
+        // than siw's 32-byte header-inline limit: `pdata::area::READ_LEN`). siw
         // answers a zero-length Read it serves from its IRQ (while it is transmitting) with
         // the previous WQE's stale SGE, and when that was an inline write (the peer's credit
         // updates) its key is no key: siw then fails the connection (Terminate, invalid STag).
@@ -937,11 +938,11 @@ impl Conn {
             R::Acks if !acks => match self.neg.credits() {
                 Some((ours, peer)) => {
                     msgs.push(read_request(
-                        8,
+                        pdata::area::READ_LEN as u32,
                         peer.stag,
                         peer.addr + pdata::area::POSTED as u64,
                     ));
-                    (R::Read(smallvec::smallvec![ours.scratch()]), true)
+                    (R::Read(smallvec::smallvec![ours.sink()]), true)
                 }
                 None => {
                     msgs.push(read_request(0, 0, 0));
@@ -2046,10 +2047,9 @@ fn read_request(size: u32, stag: u32, to: u64) -> OutMsg {
 /// Page size of the remote memory layout whose small crossings siw garbles.
 const REMOTE_PAGE: u64 = 4096;
 /// Largest Read Response payload siw garbles when it crosses a page of its memory
-/// (`siw_try_1seg` in Linux 6.1 `siw_qp_tx.c` copies at most 32 bytes into its header and
-/// takes the second piece from the first page again; the iwarp provider's
-/// `small_page_crossing`).
-const SMALL_PAYLOAD: usize = 32;
+/// ([`pdata::SIW_HDR_INLINE`]: siw takes the second piece from the first page again; the
+/// iwarp provider's `small_page_crossing`).
+const SMALL_PAYLOAD: usize = pdata::SIW_HDR_INLINE;
 
 /// Whether a read of `len` bytes at remote `addr` is one siw garbles.
 fn crosses_small(addr: u64, len: usize) -> bool {
