@@ -556,6 +556,16 @@ const PAGE: u64 = 4096;
 /// page crossing ([`pdata::SIW_HDR_INLINE`]).
 const SMALL_PAYLOAD: u32 = pdata::SIW_HDR_INLINE as u32;
 
+/// Whether siw gets a send or write of `total` bytes inline: a payload siw would copy into
+/// its packet header from registered memory (at most [`SMALL_PAYLOAD`] bytes), when the
+/// device takes that much inline. siw makes that copy with `copy_from_user` while the queue
+/// pair's `in_syscall` flag is set, and the flag outlives the poster's `ibv_post_send` for a
+/// moment: the copy fails when siw's transmit thread makes it then (`EFAULT`, the connection
+/// dropped; `pdata::area::READ_LEN`). An inline payload is copied from the request itself.
+fn inlines_on_siw(total: u64, max_inline: u32) -> bool {
+    total > 0 && total <= u64::from(SMALL_PAYLOAD.min(max_inline))
+}
+
 /// Works around a device that garbles a payload of at most [`SMALL_PAYLOAD`] bytes
 /// from registered memory when it crosses a page boundary
 /// ([`Profile::small_page_crossing`](crate::Profile::small_page_crossing)): such a read
@@ -874,6 +884,13 @@ impl EpCore {
         Ok(v)
     }
 
+    /// Whether a send or write of `total` bytes goes inline although the application did
+    /// not ask: on siw ([`Profile::small_page_crossing`](crate::Profile::small_page_crossing))
+    /// every payload siw would copy into its header from registered memory.
+    fn inlines_small(&self, total: u64) -> bool {
+        self.dom.profile.small_page_crossing && inlines_on_siw(total, self.dom.limits.max_inline)
+    }
+
     fn delivery_read(&self) -> Option<HwWr> {
         let Some(c) = self.credit.as_ref() else {
             // A peer not of this framework: a zero-length RDMA Read (remote address 0,
@@ -938,7 +955,7 @@ impl EpCore {
                     _ => None,
                 };
                 let (sges, holds, total) = self.sges(sgl, Access::empty())?;
-                let data = if inline {
+                let data = if inline || self.inlines_small(total) {
                     Some(self.inline_copy(&sges, &holds, total)?)
                 } else {
                     None
@@ -966,7 +983,7 @@ impl EpCore {
                     _ => None,
                 };
                 let (sges, holds, total) = self.sges(sgl, Access::empty())?;
-                let data = if inline {
+                let data = if inline || self.inlines_small(total) {
                     Some(self.inline_copy(&sges, &holds, total)?)
                 } else {
                     None
@@ -3113,6 +3130,23 @@ mod tests {
             },
             None,
         )]
+    }
+
+    #[test]
+    fn small_sends_and_writes_go_inline_on_siw_when_the_device_allows() {
+        assert!(!inlines_on_siw(0, 80), "nothing to copy");
+        assert!(inlines_on_siw(1, 80));
+        assert!(inlines_on_siw(32, 80));
+        assert!(
+            !inlines_on_siw(33, 80),
+            "siw sends longer payloads from the pages"
+        );
+        assert!(inlines_on_siw(16, 16));
+        assert!(
+            !inlines_on_siw(17, 16),
+            "never more than the device takes inline"
+        );
+        assert!(!inlines_on_siw(8, 0));
     }
 
     #[test]

@@ -293,7 +293,12 @@ pub struct Profile {
     /// `siw_qp_tx.c` copies the length of the second piece from the first page, then the
     /// rest from the first page again), for Read Responses always and for writes and sends
     /// sent from its transmit thread. The core splits such reads at the remote page
-    /// boundary and such writes at the local one, and sends such sends inline.
+    /// boundary and such writes at the local one, and sends such sends inline. The same
+    /// copy fails (`EFAULT`, and siw drops the connection) when siw's transmit thread makes
+    /// it while the queue pair's `in_syscall` flag is still set by the poster's
+    /// `ibv_post_send` (`fabric_api::pdata::area::READ_LEN`): with this flag every send or
+    /// write of at most 32 bytes goes inline when the device allows, and delivery reads are
+    /// longer than 32 bytes everywhere.
     pub small_page_crossing: bool,
     /// The device's user library takes a good queue mapped at one mmap offset for a failed
     /// one: libsiw (rdma-core) reads offset 0x90000 as its "no mapping" sentinel, destroys
