@@ -76,6 +76,19 @@
 //!   bytes from registered memory that crosses a page boundary is garbled (always for Read
 //!   Responses). Such reads are split at the remote page boundary, such writes at the local
 //!   one, and such sends go inline.
+//! * **Short Read Responses from siw's transmit thread** (Linux 6.1 `siw_try_1seg`): siw
+//!   copies a payload of at most 32 bytes with `copy_from_user` whenever the queue pair's
+//!   `in_syscall` flag is set, and the owner's `ibv_post_send` clears that flag only after
+//!   it finished transmitting. A Read Request that arrives in between is answered by siw's
+//!   transmit thread, which has no user address space: the copy fails (`EFAULT`), siw drops
+//!   the connection, and both ends see it end without a close mark (kernel log with siw's
+//!   dynamic debug: `wqe type 9 processing failed: -14`). The write ping-pong of `fabric
+//!   perf` lost its connection so in 2 of 54 guest runs. Delivery reads and liveness probes
+//!   therefore read the peer's whole credit area (64 bytes), which siw builds from the
+//!   registered pages, and on siw every send or write of at most 32 bytes goes inline
+//!   (copied from the request, not from user memory; `Profile::small_page_crossing`). An
+//!   application's own read of at most 32 bytes from a siw peer stays exposed: the
+//!   provider cannot lengthen it.
 //! * **libsiw's mmap sentinel** (`Profile::mmap_sentinel_guard`): libsiw reads a queue
 //!   the kernel mapped at offset 0x90000 as "no mapping", destroys the queue pair or CQ it
 //!   just created and returns NULL with errno untouched (often 0). The kernel places the
