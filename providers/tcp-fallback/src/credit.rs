@@ -8,9 +8,10 @@
 //! ways:
 //!
 //! * it owns an area ([`LocalArea`]: [`area::LEN`] bytes, and the sink of its delivery
-//!   reads after them, registered for remote write and read in the domain's STag table), which it names to the peer: in its reply's frame as
-//!   the responder, and as the initiator (whose request carried no frame) by writing the
-//!   descriptor at [`area::AREA_OF_PEER`] of the peer's area right before its hello mark;
+//!   reads after them, registered for remote write and read in the domain's STag table),
+//!   which it names to the peer: in its reply's frame as the responder, and as the
+//!   initiator (whose request carried no frame) by writing the descriptor at
+//!   [`area::AREA_OF_PEER`] of the peer's area right before its hello mark;
 //! * a message that consumes a receive at the peer (a Send) leaves only while
 //!   `sent + 1 <= peer_posted` ([`credit_allows`]); it is held back in the connection's
 //!   backlog, with everything posted after it, until the peer's count grows (the receive
