@@ -85,6 +85,12 @@ pub const EXT_LEN: usize = 20;
 pub const FLAG_ATOMICS: u8 = 1;
 /// Trailer flag: emulated immediate data.
 pub const FLAG_IMMEDIATE: u8 = 2;
+/// Trailer flag: this side's credit updates carry its count of completed receives beside
+/// its count of posted ones, packed into one word ([`pdata::CreditWord`]), and it reads the
+/// peer's updates so. Only when both sides offer it does a connection use the packed word;
+/// the peer's sends are then confirmed by the count, without a delivery read, whenever the
+/// count arrives before anything else needs them confirmed.
+pub const FLAG_RECEIVED: u8 = 4;
 
 /// Offset of the atomic request slot in the area.
 pub const REQ_OFF: usize = 0;
@@ -115,7 +121,7 @@ pub const IMM_WRITE: u32 = 2;
 /// The extension trailer: what a peer offers and where its emulation area is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExtDesc {
-    /// [`FLAG_ATOMICS`] | [`FLAG_IMMEDIATE`].
+    /// [`FLAG_ATOMICS`] | [`FLAG_IMMEDIATE`], and [`FLAG_RECEIVED`] where offered.
     pub flags: u8,
     /// Immediate-data slots in the area.
     pub imm_slots: u32,
@@ -146,7 +152,7 @@ impl ExtDesc {
             return None;
         }
         let d = ExtDesc {
-            flags: b[2] & (FLAG_ATOMICS | FLAG_IMMEDIATE),
+            flags: b[2] & (FLAG_ATOMICS | FLAG_IMMEDIATE | FLAG_RECEIVED),
             imm_slots: u32::from_be_bytes(b[4..8].try_into().ok()?),
             addr: u64::from_be_bytes(b[8..16].try_into().ok()?),
             stag: u32::from_be_bytes(b[16..20].try_into().ok()?),
@@ -467,7 +473,7 @@ mod tests {
         unknown[2] = 0xff;
         assert_eq!(
             ExtDesc::decode(&unknown).unwrap().flags,
-            FLAG_ATOMICS | FLAG_IMMEDIATE,
+            FLAG_ATOMICS | FLAG_IMMEDIATE | FLAG_RECEIVED,
             "unknown flags are ignored"
         );
     }

@@ -27,7 +27,9 @@ pub const AREA_DESC_LEN: usize = 12;
 /// Byte offsets in the credit area: `u64` words the peer writes with RDMA Writes, in the
 /// owner's byte order; for [`CLOSED`](area::CLOSED) only zero versus non-zero matters.
 pub mod area {
-    /// The peer's count of receives it ever posted (written by the peer).
+    /// The peer's count of receives it ever posted (written by the peer): the whole count,
+    /// or, where both sides offered `emu_wire::FLAG_RECEIVED`, a packed
+    /// [`CreditWord`](super::CreditWord) that also carries its count of receives completed.
     pub const POSTED: usize = 0;
     /// Non-zero once the peer closed gracefully (written by the peer).
     pub const CLOSED: usize = 8;
@@ -74,6 +76,44 @@ pub mod area {
 /// and it fails (`EFAULT`, the connection dropped) when siw's transmit thread makes it
 /// while the queue pair's `in_syscall` flag is still set (see [`area::READ_LEN`]).
 pub const SIW_HDR_INLINE: usize = 32;
+
+/// The word a peer writes at [`area::POSTED`] after every receive it posts, packed, where
+/// both sides offered `emu_wire::FLAG_RECEIVED`: the low 32 bits of its count of receives
+/// ever posted, and above them the low 32 bits of its count of receives completed (the
+/// receives its provider has taken from the device's completion queue). One 8-byte RDMA
+/// Write carries both, so the reader never sees one count without the other.
+///
+/// 32 bits of each suffice: the reader widens each against its own count of sends, which
+/// no live count is ever 2^31 away from (a receiver is never more receives ahead of the
+/// sender than its receive queue is deep, nor behind the sends it completed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CreditWord {
+    /// Receives the peer ever posted.
+    pub posted: u64,
+    /// Receives the peer ever completed: every send up to this ordinal was placed.
+    pub received: u64,
+}
+
+impl CreditWord {
+    /// The packed word.
+    pub fn pack(self) -> u64 {
+        (self.received & 0xffff_ffff) << 32 | (self.posted & 0xffff_ffff)
+    }
+
+    /// The counts of a packed `word`, widened against `sends`: the reader's count of sends
+    /// ever handed to its device.
+    pub fn unpack(word: u64, sends: u64) -> CreditWord {
+        CreditWord {
+            posted: widen(word as u32, sends),
+            received: widen((word >> 32) as u32, sends),
+        }
+    }
+}
+
+/// The 64-bit count whose low 32 bits are `low`, nearest to `near` (within 2^31 of it).
+pub fn widen(low: u32, near: u64) -> u64 {
+    near.wrapping_add(i64::from(low.wrapping_sub(near as u32) as i32) as u64)
+}
 
 /// Where a peer's credit area is: its address and steering tag (remote key).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -186,6 +226,27 @@ mod tests {
             unframe(&frame(b"", None), false).unwrap().0,
             Vec::<u8>::new()
         );
+    }
+
+    #[test]
+    fn credit_words_carry_both_counts_across_32_bit_wraps() {
+        for (posted, received, sends) in [
+            (0, 0, 0),
+            (5, 3, 4),
+            (0x1_0000_0003, 0xffff_fffe, 0xffff_ffff),
+            (0x7_0000_0010, 0x7_0000_0001, 0x7_0000_0002),
+            (u64::MAX, u64::MAX - 7, u64::MAX - 3),
+        ] {
+            let w = CreditWord { posted, received };
+            assert_eq!(CreditWord::unpack(w.pack(), sends), w, "{w:?} near {sends}");
+        }
+        assert_eq!(widen(0, 0), 0);
+        assert_eq!(
+            widen(0xffff_ffff, 1 << 32),
+            (1 << 32) - 1,
+            "just below a wrap"
+        );
+        assert_eq!(widen(2, (1 << 32) - 1), (1 << 32) + 2, "just above one");
     }
 
     #[test]

@@ -29,6 +29,19 @@
 //!   at most one of them is unconfirmed at a time: throughput costs a round trip per send
 //!   or write, and when the peer terminates the connection the first unconfirmed request
 //!   is the one it refused.
+//! * **Sends confirmed by the peer's count** (both ends of this provider: the
+//!   `FLAG_RECEIVED` bit of the emulation trailer): a credit update also carries the count
+//!   of receives the peer completed, packed into the same word (`pdata::CreditWord`). A
+//!   send's delivery read is then held back when the send leaves, and never posted if the
+//!   peer's count covers the send first, which a peer that reposts a receive before it
+//!   replies always does: a request/reply exchange costs no read. The read goes after all
+//!   when anything is posted behind the send, when the endpoint is drained, or after a
+//!   millisecond without the count. Why it matters on siw: a Read Request is answered from
+//!   siw's transmit thread, and every send the target posts meanwhile waits for that
+//!   thread too (`siw_post_send` transmits directly only from an idle send slot), so the
+//!   read behind a request delayed the reply by a thread wake-up. Writes keep their read:
+//!   the target's provider never sees a write, so nothing but a read confirms it. The tcp
+//!   provider does not offer the bit; with it, sends keep their reads.
 //! * **Fences are the provider's on siw** (`Profile::soft_fence`): a fenced request waits
 //!   in the provider until the reads before it completed and then goes to siw unfenced.
 //!   siw's own fence (Linux 6.1) can stop a connection for good: the fenced request waits
@@ -255,7 +268,7 @@ impl Flavor for Iwarp {
         };
         let mut emulated = vec![
             emu("receiver not ready", OpSet::SEND, "credit-based flow control: the receiver RDMA-writes its posted-receive count into the sender's credit area; sends wait in the provider for credits (retried on a timer like an RNR retry)"),
-            emu("delivery-complete sends and writes", OpSet::SEND | OpSet::WRITE, "each is fenced behind earlier reads (on siw by the provider, which holds it until they completed: siw's own fence can deadlock a connection) and followed by a 64-byte RDMA Read of the peer; the completion is the read's"),
+            emu("delivery-complete sends and writes", OpSet::SEND | OpSet::WRITE, "each is fenced behind earlier reads (on siw by the provider, which holds it until they completed: siw's own fence can deadlock a connection) and followed by a 64-byte RDMA Read of the peer; the completion is the read's. Between two endpoints of this provider a send's read is held back, and dropped when the count of completed receives that the peer's credit updates carry confirms the send first"),
             emu("read sinks", OpSet::READ, "regions with LOCAL_WRITE are registered locally with REMOTE_WRITE too (iWARP read responses are tagged placements)"),
             emu("dead-peer detection", OpSet::SEND | OpSet::WRITE | OpSet::READ, "emulated, like UCX's keepalive: the queue pair has no ACK timer and the kernel's TCP socket under it no keepalive, so the domain's helper thread watches every endpoint; any completion or TCP segment from the peer is a sign of life, a quiet endpoint is probed with a delivery read, and one quiet for the dead-peer timeout ([iwarp] dead_peer_timeout_ms, default 10 s) is declared dead: the oldest outstanding operation completes RetryExceeded, the rest Flushed, the queue pair is destroyed"),
         ];

@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::marker::PhantomData;
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use fabric_api::hash::IdMap;
@@ -49,6 +49,13 @@ pub(crate) trait CompletionTarget<Q: DeviceQueue>: Send + Sync + Sized {
     /// Handles one completion of this target's queue pair. Called with the queue's lock
     /// held (`st`): takes the target's own lock, which ranks after it.
     fn on_completion(self: &Arc<Self>, cq: &CqInner<Q, Self>, st: &mut CqState<Self>, wc: &Wc);
+
+    /// Settles what the target waits for outside the device queue (see
+    /// [`CqInner::watch`]); called with the queue's lock held, after a drain. Returns
+    /// whether to keep watching the target.
+    fn settle(self: &Arc<Self>, _cq: &CqInner<Q, Self>, _st: &mut CqState<Self>) -> bool {
+        false
+    }
 }
 
 /// State behind the queue's lock.
@@ -98,6 +105,13 @@ pub(crate) struct CqInner<Q = HwCq, E = EpCore> {
     /// The application's notification descriptor: readable while the completion channel
     /// or `wake` is (see `VerbsCq`'s `arm`).
     notify: ffi::Epoll,
+    /// Targets that wait for something no device completion announces (an iWARP send
+    /// whose delivery the peer confirms by a count written into memory, `EpCore::settle`),
+    /// looked at after every drain while any is listed. A leaf lock (see [`crate::sync`]):
+    /// pushed under an endpoint's lock, and nothing is locked under it.
+    watched: Mutex<Vec<Weak<E>>>,
+    /// Targets in `watched`: a drain with none takes no lock for them.
+    watching: AtomicUsize,
 }
 
 impl<Q, E> fmt::Debug for CqInner<Q, E> {
@@ -127,7 +141,29 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
             st: Ranked::new(Rank::Cq, CqState::default()),
             wake,
             notify,
+            watched: Mutex::new(Vec::new()),
+            watching: AtomicUsize::new(0),
         })
+    }
+
+    /// Has every drain (under the queue's lock) call `target`'s
+    /// [`settle`](CompletionTarget::settle) until it says to stop. Takes only the leaf
+    /// lock of the list: callable with an endpoint lock held. The caller registers a
+    /// target once until `settle` let it go.
+    pub fn watch(&self, target: Weak<E>) {
+        let mut w = self.watched.lock().unwrap_or_else(|e| e.into_inner());
+        w.push(target);
+        self.watching.store(w.len(), Ordering::Release);
+    }
+
+    /// Calls the watched targets' `settle` (queue lock held), dropping those that are done.
+    fn settle_watched(&self, st: &mut CqState<E>) {
+        let mut list = std::mem::take(&mut *self.watched.lock().unwrap_or_else(|e| e.into_inner()));
+        // No list lock is held while the targets run (they take their own locks).
+        list.retain(|w| w.upgrade().is_some_and(|t| t.settle(self, st)));
+        let mut w = self.watched.lock().unwrap_or_else(|e| e.into_inner());
+        w.append(&mut list);
+        self.watching.store(w.len(), Ordering::Release);
     }
 
     /// Takes the queue's lock. Never with an endpoint lock held (checked in debug builds).
@@ -265,6 +301,9 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
             }
         }
         st.scratch = wcs;
+        if self.watching.load(Ordering::Acquire) > 0 {
+            self.settle_watched(st);
+        }
     }
 }
 

@@ -147,8 +147,10 @@ impl CreditArea {
         area_word(&self.buf, off)
     }
 
-    /// The peer's posted-receive count.
-    pub fn peer_posted(&self) -> u64 {
+    /// The word the peer writes after every receive it posts: its posted-receive count,
+    /// packed with its completed-receive count where the connection counts deliveries
+    /// ([`pdata::CreditWord`]; see [`EpCore::peer_counts`]).
+    pub fn peer_word(&self) -> u64 {
         self.word(credit::POSTED)
     }
 
@@ -265,7 +267,7 @@ impl EmuLink {
     /// Our area's trailer for the private data.
     pub fn desc((buf, mr, slots): &(Arc<Buffer>, Mr, u32)) -> ExtDesc {
         ExtDesc {
-            flags: emu::FLAG_ATOMICS | emu::FLAG_IMMEDIATE,
+            flags: emu::FLAG_ATOMICS | emu::FLAG_IMMEDIATE | emu::FLAG_RECEIVED,
             imm_slots: *slots,
             addr: buf.addr(),
             stag: mr.rkey(),
@@ -360,6 +362,10 @@ struct SqRec {
     /// An RDMA Read (the application's, a delivery read, a probe): what a fenced request
     /// waits for under [`Profile::soft_fence`](crate::Profile::soft_fence).
     is_read: bool,
+    /// The delivery read of a send on a connection that counts deliveries: held back after
+    /// the send left ([`Ledger::deferred`]) and never posted if the peer's count confirms
+    /// the send first.
+    deferrable: bool,
     /// Failed to post: complete with this error when its turn comes.
     failed: Option<(ErrorKind, Option<ProviderCode>)>,
     /// The real error of an earlier piece of this record's group (the group's last
@@ -438,8 +444,14 @@ struct Ledger {
     amo_sent: u64,
     amo_wait: Option<u64>,
     amo_served: u64,
-    /// Receives completed (the ordinal of the next send to arrive: emulated immediates).
+    /// Receives completed (the ordinal of the next send to arrive: emulated immediates;
+    /// and what our credit updates tell a peer that counts deliveries).
     recvs_done: u64,
+    /// The delivery read held back behind a send that left (connections that count
+    /// deliveries): it is the first unposted record while this is set.
+    deferred: Option<Deferred>,
+    /// Listed with the send queue's completion queue for [`EpCore::settle`].
+    watched: bool,
     /// A refused emulated atomic: disconnect once this reply record completed.
     kill_after: Option<u64>,
     /// Early receives (foreign peers) and how many application receives were matched to
@@ -455,6 +467,24 @@ struct Ledger {
     /// with it ([`EpCore::fail_refused`]).
     refused: Option<(Instant, Error)>,
 }
+
+/// A send's delivery read held back (see [`EpCore::resolve_deferred`]).
+#[derive(Debug, Clone, Copy)]
+struct Deferred {
+    /// The send's ordinal: the peer's completed-receive count that confirms it.
+    ordinal: u64,
+    /// When the send left.
+    since: Instant,
+    /// Post the read at the next look ([`EpCore::drain`] wants everything confirmed).
+    forced: bool,
+}
+
+/// How long a send's delivery read waits for the peer's count before it is posted, when
+/// nothing else is posted behind the send (anything posted behind it posts the read at
+/// once). A peer that reposts its receives as it completes them, as every request/reply
+/// protocol does, confirms well within it; one that does not costs its sender this much
+/// on the send's completion, plus the helper thread's retry period.
+const DEFER: Duration = Duration::from_millis(1);
 
 /// How often `state()` may query the queue pair's state: its death is otherwise learned
 /// from completions and connection events; the query only catches a queue pair that went to
@@ -480,6 +510,12 @@ pub(crate) struct EpCore {
     sink: Option<(Arc<Buffer>, Mr)>,
     /// Emulated atomics and immediate data, when both sides offered them.
     emu: Option<EmuLink>,
+    /// Both sides count deliveries (`emu_wire::FLAG_RECEIVED`): credit updates carry the
+    /// completed-receive count, and a send's delivery read is held back in the hope that
+    /// the count confirms the send first ([`EpCore::resolve_deferred`]).
+    counted: bool,
+    /// This endpoint, for lists that must not keep it alive.
+    me: std::sync::Weak<EpCore>,
     /// The peer is not of this framework at all (its private data has no frame): a
     /// foreign iWARP stack gets no zero-length RDMA Reads (no delivery reads, no liveness
     /// probes), because siw answers them with the length of an earlier response (Linux 6.1
@@ -537,6 +573,8 @@ fn post_error(e: &std::io::Error) -> Error {
 /// A planned application request: its hardware requests and what to report.
 struct Plan {
     wrs: Planned,
+    /// The last request is a send's delivery read that may be held back (`counted`).
+    deferrable: bool,
     user: UserRec,
     holds: Holds,
 }
@@ -706,7 +744,12 @@ impl EpCore {
             && p.emu.is_none()
             && !prof.delivery_reads
             && !prof.small_page_crossing;
-        let core = Arc::new(EpCore {
+        let counted = prof.delivery_reads
+            && p.credit.is_some()
+            && p.emu
+                .as_ref()
+                .is_some_and(|e| e.peer.flags & emu::FLAG_RECEIVED != 0);
+        let core = Arc::new_cyclic(|me| EpCore {
             id: p.id,
             qpn,
             dom: p.dom,
@@ -721,6 +764,8 @@ impl EpCore {
             credit: p.credit,
             sink: p.sink,
             emu: p.emu,
+            counted,
+            me: me.clone(),
             foreign: p.foreign,
             early: p.early,
             ep_context: p.ep_context,
@@ -755,6 +800,8 @@ impl EpCore {
                     amo_wait: None,
                     amo_served: 0,
                     recvs_done: 0,
+                    deferred: None,
+                    watched: false,
                     kill_after: None,
                     early: (0..early_slots).map(|_| EarlySlot::default()).collect(),
                     early_matched,
@@ -1029,6 +1076,7 @@ impl EpCore {
                         r.fence = fence;
                         return Ok(Plan {
                             wrs: smallvec![(r, None)],
+                            deferrable: false,
                             user: UserRec {
                                 context: wr.context,
                                 opcode: Opcode::Read,
@@ -1117,6 +1165,7 @@ impl EpCore {
                     let w = (emu_write(fence), Some(EmuRec::Amo(Box::new(amo))));
                     return Ok(Plan {
                         wrs: smallvec![w],
+                        deferrable: false,
                         user: UserRec {
                             context: wr.context,
                             opcode: wr.opcode(),
@@ -1137,6 +1186,7 @@ impl EpCore {
         } else {
             wrs
         };
+        let mut deferrable = false;
         if p.delivery_reads && matches!(wr.op, SendOp::Send { .. } | SendOp::Write { .. }) {
             if let Some(r) = self.delivery_read() {
                 // Fenced behind every earlier read: the previous request's delivery was
@@ -1144,10 +1194,14 @@ impl EpCore {
                 // connection the first unconfirmed request is the one it refused.
                 wrs[0].0.fence = true;
                 wrs.push((r, None));
+                // A send consumes one of the peer's receives, which the peer's count of
+                // completed receives confirms; a write it never sees.
+                deferrable = self.counted && matches!(wr.op, SendOp::Send { .. });
             }
         }
         Ok(Plan {
             wrs,
+            deferrable,
             user: UserRec {
                 context: wr.context,
                 opcode: wr.opcode(),
@@ -1208,6 +1262,7 @@ impl EpCore {
                 internal: !last,
                 is_send,
                 is_read,
+                deferrable: last && plan.deferrable,
                 failed: None,
                 group_err: None,
                 emu,
@@ -1360,6 +1415,7 @@ impl EpCore {
             internal: false,
             is_send,
             is_read: matches!(op, HwOp::Read { .. }),
+            deferrable: false,
             failed: None,
             group_err: None,
             emu: None,
@@ -1412,6 +1468,12 @@ impl EpCore {
             l.pending,
             "one request per unposted record"
         );
+        if self.resolve_deferred(l, None) {
+            return Posted::Later;
+        }
+        if l.pending == 0 {
+            return Posted::Yes; // the held-back delivery read was all there was
+        }
         let start = l.sq.len() - l.pending;
         let mut end = start;
         while end < l.sq.len() {
@@ -1422,13 +1484,12 @@ impl EpCore {
             }
         }
         let group = start..end;
+        // A send's delivery read stays behind when the send leaves (`resolve_deferred`).
+        let defer = group.len() > 1 && l.sq[end - 1].deferrable;
+        let post_n = group.len() - usize::from(defer);
         let sends = l.sq.range(group.clone()).filter(|r| r.is_send).count() as u64;
-        if sends > 0 {
-            if let Some(c) = &self.credit {
-                if c.peer_posted() < l.sends_hw + sends {
-                    return Posted::Later;
-                }
-            }
+        if sends > 0 && self.credit.is_some() && self.peer_counts(l).posted < l.sends_hw + sends {
+            return Posted::Later;
         }
         if l.hw_sq + group.len() > self.hw_sq_cap {
             return Posted::Later;
@@ -1449,7 +1510,7 @@ impl EpCore {
         let mut amo_seq = None;
         let (sends_hw, amo_sent) = (l.sends_hw, l.amo_sent);
         let Ledger { sq, unposted, .. } = &mut *l;
-        let wrs = &mut unposted.make_contiguous()[..group.len()];
+        let wrs = &mut unposted.make_contiguous()[..post_n];
         // Bit i: the group's request i asked for a fence, kept off the device (below) and
         // given back if the device takes none of the group, which then waits again.
         let mut fences = 0u64;
@@ -1547,6 +1608,17 @@ impl EpCore {
         if posted > 0 {
             l.refused = None; // the device takes requests again
         }
+        if defer && posted == post_n {
+            l.deferred = Some(Deferred {
+                ordinal: l.sends_hw,
+                since: Instant::now(),
+                forced: false,
+            });
+            if !l.watched {
+                l.watched = true;
+                self.send_cq.watch(self.me.clone());
+            }
+        }
         match r {
             Ok(()) => Posted::Yes,
             Err((_, e)) => {
@@ -1563,6 +1635,85 @@ impl EpCore {
                 tracing::debug!(qp = self.qpn, posted, "part of a group refused: {err}");
                 Posted::Cut(err)
             }
+        }
+    }
+
+    /// Resolves the send's delivery read held back in [`Ledger::deferred`] (connections
+    /// that count deliveries), which is the first unposted record.
+    ///
+    /// When the peer's completed-receive count covers the send, the send was placed at the
+    /// target and the read is never posted: its record, the application's, completes in
+    /// its place. Unsignaled, at once (nothing to report). Signaled, only where `cst` (the
+    /// send queue's locked state) lets us report it and no earlier application request is
+    /// still outstanding, so that completions stay in posting order; until then it waits,
+    /// and so does everything posted behind it.
+    ///
+    /// Not covered yet: the read stays back until something is posted behind it, [`DEFER`]
+    /// passed, or [`drain`](Self::drain) forced it; then it is released to go to the device
+    /// as the first unposted group, exactly as it would have gone without the count. On a
+    /// dead endpoint it stays for [`retire`](Self::retire).
+    ///
+    /// Returns whether it is still held back.
+    fn resolve_deferred(&self, l: &mut Ledger, cst: Option<&mut CqState>) -> bool {
+        let Some(d) = l.deferred else {
+            return false;
+        };
+        let at = l.sq.len() - l.pending;
+        debug_assert!(
+            l.sq.get(at).is_some_and(|r| r.deferrable && r.unposted),
+            "the held-back delivery read is the first unposted record"
+        );
+        if self.peer_counts(l).received >= d.ordinal {
+            let Some(u) = l.sq[at].user else {
+                debug_assert!(false, "a delivery read ends its group");
+                return true;
+            };
+            if !u.signaled {
+                self.finish_deferred(l, at);
+                self.send_cq.release(1);
+                return false;
+            }
+            let Some(cst) = cst else {
+                return true;
+            };
+            if l.sq.range(..at).any(|r| r.user.is_some()) {
+                return true;
+            }
+            self.finish_deferred(l, at);
+            self.push_user(&self.send_cq, cst, u, None);
+            // No device event announces it: wake whoever waits on the queue.
+            self.send_cq.notify();
+            return false;
+        }
+        // A dead endpoint keeps it: `retire` reports it (confirmed, or the request the
+        // peer most likely refused).
+        let live = l.status == EndpointState::Connected && !l.torn_down;
+        if live && (d.forced || l.pending > 1 || d.since.elapsed() >= DEFER) {
+            l.deferred = None;
+            return false;
+        }
+        true
+    }
+
+    /// Drops the held-back delivery read's record at `at` (confirmed by the peer's count).
+    /// The group's regions move to the send's record while the device has not completed
+    /// it: memory outlives every request that names it, confirmed or not.
+    fn finish_deferred(&self, l: &mut Ledger, at: usize) {
+        l.deferred = None;
+        #[cfg(debug_assertions)]
+        crate::fault::note_confirmed();
+        let Some(mut r) = l.sq.remove(at) else {
+            return;
+        };
+        l.unposted.pop_front();
+        l.pending -= 1;
+        l.user_sq -= 1;
+        if let Some(send) =
+            l.sq.range_mut(..at)
+                .rev()
+                .find(|x| x.grouped && x.user.is_none())
+        {
+            send._holds.extend(std::mem::take(&mut r._holds));
         }
     }
 
@@ -1634,6 +1785,7 @@ impl EpCore {
         let Some((_, err)) = l.refused.take() else {
             return;
         };
+        l.deferred = None;
         let start = l.sq.len() - l.pending;
         let mut end = start;
         while end < l.sq.len() {
@@ -1853,7 +2005,7 @@ impl EpCore {
                 on_device = l.hw_sq,
                 held_back = l.pending,
                 sends_posted = l.sends_hw,
-                peer_receives = self.credit.as_ref().map(|c| c.peer_posted()),
+                peer_receives = self.credit.is_some().then(|| self.peer_counts(&l).posted),
                 credit_owed = l.credit_dirty,
                 probe_in_flight = l.probe.is_some_and(|seq| l.sq.iter().any(|r| r.seq == seq)),
                 "no sign of life from the peer within the dead-peer timeout: endpoint declared dead, its queue pair destroyed; outstanding requests complete RetryExceeded (the oldest) and Flushed"
@@ -2225,7 +2377,7 @@ impl EpCore {
             l.recvs_posted += 1;
             l.credit_dirty = true;
             if credit_slot {
-                let v = l.recvs_posted;
+                let v = self.credit_word(&l);
                 if !self.post_credit(&mut l, credit::POSTED, v) {
                     self.send_cq.release_internal(1);
                 }
@@ -2264,11 +2416,39 @@ impl EpCore {
         if !self.send_cq.reserve_internal(1) {
             return true;
         }
-        let v = l.recvs_posted;
+        let v = self.credit_word(l);
         if !self.post_credit(l, credit::POSTED, v) {
             self.send_cq.release_internal(1);
         }
         false
+    }
+
+    /// What our credit updates write: the count of receives ever posted, packed with the
+    /// count completed where the connection counts deliveries.
+    fn credit_word(&self, l: &Ledger) -> u64 {
+        if self.counted {
+            pdata::CreditWord {
+                posted: l.recvs_posted,
+                received: l.recvs_done,
+            }
+            .pack()
+        } else {
+            l.recvs_posted
+        }
+    }
+
+    /// The peer's counts, as its last credit update left them in our area: receives it
+    /// ever posted and, where the connection counts deliveries, ever completed (else 0).
+    fn peer_counts(&self, l: &Ledger) -> pdata::CreditWord {
+        let w = self.credit.as_ref().map_or(0, CreditArea::peer_word);
+        if self.counted {
+            pdata::CreditWord::unpack(w, l.sends_hw)
+        } else {
+            pdata::CreditWord {
+                posted: w,
+                received: 0,
+            }
+        }
     }
 
     /// Records an internal request the device now holds (credit update, liveness probe):
@@ -2285,6 +2465,7 @@ impl EpCore {
                 internal: true,
                 is_send: false,
                 is_read,
+                deferrable: false,
                 failed: None,
                 group_err: None,
                 emu: None,
@@ -2323,7 +2504,7 @@ impl EpCore {
             return false;
         }
         Self::record_internal(l, seq, false);
-        if off == credit::POSTED && value == l.recvs_posted {
+        if off == credit::POSTED && value == self.credit_word(l) {
             l.credit_dirty = false;
         }
         true
@@ -2682,6 +2863,23 @@ impl EpCore {
             .group_err
             .or(r.failed)
             .unwrap_or((ErrorKind::Flushed, None));
+        if r.unposted && r.deferrable && r.group_err.is_none() && r.failed.is_none() {
+            if let Some(d) = l.deferred.take() {
+                // A send that left with its delivery read held back, on a connection that
+                // ended: delivered if the peer's count says so, else the first
+                // unconfirmed request, which the peer most likely refused (as when its
+                // delivery read is flushed).
+                if self.peer_counts(l).received >= d.ordinal {
+                    #[cfg(debug_assertions)]
+                    crate::fault::note_confirmed();
+                    self.push_user(&self.send_cq, cst, u, None);
+                    return true;
+                }
+                if let Some(k) = self.infer_cause(l, u.opcode) {
+                    e = (k, None);
+                }
+            }
+        }
         if let (Some(EmuRec::Amo(a)), Some(link)) = (&r.emu, &self.emu) {
             // An emulated atomic whose connection died: its reply may have landed before
             // the connection ended (the peer refused it and disconnected, as RC hardware
@@ -2932,8 +3130,16 @@ impl EpCore {
     pub fn drain(&self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
         let deadline = start + timeout;
-        // Requests posted before the call: sequence numbers below the next one.
-        let mark = self.lock().next_seq;
+        // Requests posted before the call: sequence numbers below the next one. A send's
+        // delivery read held back for the peer's count goes now if the count is not there.
+        let mark = {
+            let mut l = self.lock();
+            if let Some(d) = l.deferred.as_mut() {
+                d.forced = true;
+                self.release_pending(&mut l);
+            }
+            l.next_seq
+        };
         let outstanding = || {
             self.lock()
                 .sq
@@ -2994,6 +3200,7 @@ impl EpCore {
                 l.pending = 0;
                 l.unposted.clear();
                 l.user_sq = 0;
+                l.deferred = None;
             }
             if Arc::ptr_eq(cq, &self.recv_cq) {
                 let n = l.rq.len();
@@ -3007,6 +3214,22 @@ impl EpCore {
 impl CompletionTarget<HwCq> for EpCore {
     fn on_completion(self: &Arc<Self>, cq: &CqInner, st: &mut CqState, wc: &Wc) {
         self.handle_completion(cq, st, wc);
+    }
+
+    /// A send whose delivery read is held back: completed once the peer's count confirms
+    /// it, else the read released when it can wait no longer; then what waited behind it
+    /// is posted.
+    fn settle(self: &Arc<Self>, cq: &CqInner, st: &mut CqState) -> bool {
+        let mut l = self.lock();
+        if l.torn_down || !std::ptr::eq(cq, Arc::as_ptr(&self.send_cq)) {
+            l.watched = false;
+            return false;
+        }
+        if !self.resolve_deferred(&mut l, Some(st)) {
+            self.release_pending(&mut l);
+        }
+        l.watched = l.deferred.is_some();
+        l.watched
     }
 }
 

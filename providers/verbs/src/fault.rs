@@ -79,6 +79,19 @@ pub(crate) fn note_direct() {
     DIRECT.fetch_add(1, Ordering::SeqCst);
 }
 
+static CONFIRMED: AtomicUsize = AtomicUsize::new(0);
+
+/// Sends whose delivery the peer's completed-receive count confirmed, their delivery read
+/// never posted (connections that count deliveries), so far in this process.
+pub fn confirmed_by_count() -> usize {
+    CONFIRMED.load(Ordering::SeqCst)
+}
+
+/// Counts one send confirmed by the peer's count.
+pub(crate) fn note_confirmed() {
+    CONFIRMED.fetch_add(1, Ordering::SeqCst);
+}
+
 /// Whether a refusal is planned: the endpoint's direct path steps aside for the ledger's,
 /// which asks [`take`].
 pub(crate) fn armed() -> bool {
