@@ -28,6 +28,7 @@ pub(super) fn cases() -> Vec<Case> {
         "msg.two_processes", "3", OpSet::SEND => two_processes;
         "msg.more_posts_leave_in_order", "3", OpSet::SEND | OpSet::WRITE => more_posts;
         "msg.both_directions_at_once", "3", OpSet::SEND | OpSet::RNR_WAIT => both_directions;
+        "msg.send_completes_while_receiver_never_polls", "3", OpSet::SEND => receiver_never_polls;
     }
 }
 
@@ -123,6 +124,40 @@ fn send_recv(ctx: &Ctx) -> CaseResultOf {
         dst.buffer().to_vec(0, 13) == b"hello, fabric",
         "payload differs"
     );
+    Ok(())
+}
+
+/// A send completes whether or not the receiving application ever polls or posts again: on
+/// RC devices the target's NIC acknowledges it; the software providers must confirm it
+/// themselves (the iwarp provider's count of completed receives never comes from a
+/// receiver that does not poll, so its delivery read has to go after all). Two sends, the
+/// second while the application waits on the queue: each completes, and only then does
+/// the receiver look.
+fn receiver_never_polls(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let src = region(&p.da, 64, Access::empty())?;
+    let dst = region(&p.db, 128, Access::LOCAL_WRITE)?;
+    src.buffer().write(0, b"unpolled");
+    for i in 0..2u64 {
+        p.b.post_recv(&RecvWr::new(
+            10 + i,
+            &[dst
+                .slice(i as usize * 64..(i as usize + 1) * 64)
+                .ctx("slice")?],
+        ))
+        .ctx("post_recv")?;
+    }
+    for i in 0..2u64 {
+        p.a.post_send(&SendWr::send(i, &[src.slice(0..8).ctx("slice")?]))
+            .ctx("post_send")?;
+        expect_ok(&p.cqa, i, Opcode::Send)?;
+    }
+    for i in 0..2u64 {
+        let r = expect_ok(&p.cqb, 10 + i, Opcode::Recv)?;
+        ensure!(r.byte_len == 8, "receive {i}: {} bytes", r.byte_len);
+        let got = dst.buffer().to_vec(i as usize * 64, 8);
+        ensure!(got == b"unpolled", "receive {i} holds {got:?}");
+    }
     Ok(())
 }
 

@@ -24,6 +24,10 @@ const ORPHANS: usize = 256;
 /// Completions one device poll of [`CqInner::drain`] takes at most.
 const DRAIN_BATCH: usize = 32;
 
+/// The longest a blocking wait sleeps while an endpoint is watched ([`CqInner::watch`]):
+/// what it waits for is a count written into memory, which raises no event.
+const WATCH_NAP: Duration = Duration::from_micros(250);
+
 /// A device completion queue as the core drains it.
 pub(crate) trait DeviceQueue: Send + Sync {
     /// Takes up to `out.len()` completions; returns how many.
@@ -154,6 +158,11 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
         let mut w = self.watched.lock().unwrap_or_else(|e| e.into_inner());
         w.push(target);
         self.watching.store(w.len(), Ordering::Release);
+    }
+
+    /// Whether any target is watched.
+    pub fn watching(&self) -> bool {
+        self.watching.load(Ordering::Acquire) > 0
     }
 
     /// Calls the watched targets' `settle` (queue lock held), dropping those that are done.
@@ -301,7 +310,7 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
             }
         }
         st.scratch = wcs;
-        if self.watching.load(Ordering::Acquire) > 0 {
+        if self.watching() {
             self.settle_watched(st);
         }
     }
@@ -368,7 +377,12 @@ impl<F: Flavor> CompletionQueue for VerbsCq<F> {
             if left.is_zero() {
                 return Ok(false);
             }
-            let ready = ffi::poll_fds(&[c.hw.fd(), c.wake.fd()], Some(left))?;
+            let nap = if c.watching() {
+                left.min(WATCH_NAP)
+            } else {
+                left
+            };
+            let ready = ffi::poll_fds(&[c.hw.fd(), c.wake.fd()], Some(nap))?;
             if ready[0] {
                 while c.hw.take_event() {}
             }
