@@ -117,7 +117,10 @@
 //!   the sender's completion when the delivery read behind it is answered, a moment
 //!   later. A receiver that closes in between flushes that read, and the sender sees a
 //!   delivered message `Flushed` (the contract allows it: a close flushes what the peer
-//!   has outstanding). On roce the device acknowledges in the same step as it completes
+//!   has outstanding). Between two iwarp endpoints a receiver that reposted a receive
+//!   before it closed has usually confirmed the send by its count already (the read was
+//!   still held back), and the sender then sees success. On roce the device acknowledges
+//!   in the same step as it completes
 //!   the receive, so the window is far smaller there, but the rule is the same: the side
 //!   that received a conversation's last message waits for `EndpointEvent::PeerClosed`
 //!   before it closes (`AnyEndpoint::wait_event`; the examples do).
