@@ -461,6 +461,8 @@ struct Ledger {
     /// When `state()` last asked the device for the queue pair's state (at most once per
     /// [`QP_STATE_EVERY`]: `ibv_query_qp` is a system call).
     qp_checked: Option<Instant>,
+    /// The device said the queue pair is in the error state ([`EpCore::qp_failed`]).
+    qp_err: bool,
     /// The device has refused the first held-back request since this time, with this
     /// error (a full queue, `ENOMEM`, not counted: that passes). Past
     /// [`EpCore::FLUSH_GRACE`] on a connected endpoint, the request fails and the endpoint
@@ -477,6 +479,10 @@ struct Deferred {
     since: Instant,
     /// Post the read at the next look ([`EpCore::drain`] wants everything confirmed).
     forced: bool,
+    /// Released: the read goes to the device at the next post (it no longer waits for the
+    /// count). Kept until it reached the device, so that a connection that dies before
+    /// then still reports the send as the request the peer most likely refused.
+    released: bool,
 }
 
 /// How long a send's delivery read waits for the peer's count before it is posted, when
@@ -806,6 +812,7 @@ impl EpCore {
                     early: (0..early_slots).map(|_| EarlySlot::default()).collect(),
                     early_matched,
                     qp_checked: None,
+                    qp_err: false,
                     refused: None,
                 },
             ),
@@ -1607,12 +1614,18 @@ impl EpCore {
         }
         if posted > 0 {
             l.refused = None; // the device takes requests again
+            if l.deferred.is_some_and(|d| d.released) {
+                // The released read was the first of what just reached the device: from
+                // here its completion reports the send.
+                l.deferred = None;
+            }
         }
         if defer && posted == post_n {
             l.deferred = Some(Deferred {
                 ordinal: l.sends_hw,
                 since: Instant::now(),
                 forced: false,
+                released: false,
             });
             if !l.watched {
                 l.watched = true;
@@ -1655,7 +1668,7 @@ impl EpCore {
     ///
     /// Returns whether it is still held back.
     fn resolve_deferred(&self, l: &mut Ledger, cst: Option<&mut CqState>) -> bool {
-        let Some(d) = l.deferred else {
+        let Some(d) = l.deferred.filter(|d| !d.released) else {
             return false;
         };
         let at = l.sq.len() - l.pending;
@@ -1688,11 +1701,32 @@ impl EpCore {
         // A dead endpoint keeps it: `retire` reports it (confirmed, or the request the
         // peer most likely refused).
         let live = l.status == EndpointState::Connected && !l.torn_down;
-        if live && (d.forced || l.pending > 1 || d.since.elapsed() >= DEFER) {
-            l.deferred = None;
+        let late = d.since.elapsed() >= DEFER;
+        if live && late && !d.forced && l.pending == 1 && self.qp_failed(l) {
+            // No count came because the connection is gone (siw: a Terminate moved the
+            // queue pair to the error state, and the connection event is on its way). A
+            // read posted now would never complete (siw does not flush what is posted to
+            // a queue pair in the error state), so the read stays back for `retire`.
+            return true;
+        }
+        if live && (d.forced || l.pending > 1 || late) {
+            if let Some(d) = l.deferred.as_mut() {
+                d.released = true;
+            }
             return false;
         }
         true
+    }
+
+    /// Whether the device said the queue pair is in the error state (final: remembered),
+    /// asked at most once per [`QP_STATE_EVERY`] (a system call).
+    fn qp_failed(&self, l: &mut Ledger) -> bool {
+        if l.qp_err || l.qp_checked.is_some_and(|t| t.elapsed() < QP_STATE_EVERY) {
+            return l.qp_err;
+        }
+        l.qp_checked = Some(Instant::now());
+        l.qp_err = matches!(self.id.qp_state(), Ok(ffi::QPS_ERR));
+        l.qp_err
     }
 
     /// Drops the held-back delivery read's record at `at` (confirmed by the peer's count).
@@ -2863,18 +2897,21 @@ impl EpCore {
             .group_err
             .or(r.failed)
             .unwrap_or((ErrorKind::Flushed, None));
-        if r.unposted && r.deferrable && r.group_err.is_none() && r.failed.is_none() {
-            if let Some(d) = l.deferred.take() {
-                // A send that left with its delivery read held back, on a connection that
-                // ended: delivered if the peer's count says so, else the first
-                // unconfirmed request, which the peer most likely refused (as when its
-                // delivery read is flushed).
-                if self.peer_counts(l).received >= d.ordinal {
-                    #[cfg(debug_assertions)]
-                    crate::fault::note_confirmed();
-                    self.push_user(&self.send_cq, cst, u, None);
-                    return true;
-                }
+        if r.deferrable && r.group_err.is_none() && r.failed.is_none() {
+            // A send's delivery read, on a connection that ended. Held back (never
+            // posted): the send was delivered if the peer's count says so. Else, held back
+            // or posted and never completed by the device (siw leaves what was posted to a
+            // queue pair already in the error state), the send is the first unconfirmed
+            // request, which the peer most likely refused: as when the device flushes its
+            // read.
+            let held = if r.unposted { l.deferred.take() } else { None };
+            if held.is_some_and(|d| self.peer_counts(l).received >= d.ordinal) {
+                #[cfg(debug_assertions)]
+                crate::fault::note_confirmed();
+                self.push_user(&self.send_cq, cst, u, None);
+                return true;
+            }
+            if held.is_some() || !r.unposted {
                 if let Some(k) = self.infer_cause(l, u.opcode) {
                     e = (k, None);
                 }
@@ -3225,10 +3262,12 @@ impl CompletionTarget<HwCq> for EpCore {
             l.watched = false;
             return false;
         }
-        if !self.resolve_deferred(&mut l, Some(st)) {
+        // While the device refuses the first held-back request, the helper thread retries
+        // it at its pace: not at every poll.
+        if !self.resolve_deferred(&mut l, Some(st)) && l.refused.is_none() {
             self.release_pending(&mut l);
         }
-        l.watched = l.deferred.is_some();
+        l.watched = l.deferred.is_some_and(|d| !d.released);
         l.watched
     }
 }
