@@ -133,20 +133,29 @@ fn send_recv(ctx: &Ctx) -> CaseResultOf {
 /// receiver that does not poll, so its delivery read has to go after all). Two sends, the
 /// second while the application waits on the queue: each completes, and only then does
 /// the receiver look.
+/// Posts `n` receives on `ep`, each into the next `slot` bytes of `dst`, with the contexts
+/// `first`, `first + 1`, and so on.
+fn post_slots(
+    ep: &AnyEndpoint,
+    dst: &MemoryRegion,
+    first: u64,
+    n: usize,
+    slot: usize,
+) -> Result<(), String> {
+    for i in 0..n {
+        let piece = dst.slice(i * slot..(i + 1) * slot).ctx("slice")?;
+        ep.post_recv(&RecvWr::new(first + i as u64, &[piece]))
+            .ctx("post_recv")?;
+    }
+    Ok(())
+}
+
 fn receiver_never_polls(ctx: &Ctx) -> CaseResultOf {
     let p = ctx.pair()?;
     let src = region(&p.da, 64, Access::empty())?;
     let dst = region(&p.db, 128, Access::LOCAL_WRITE)?;
     src.buffer().write(0, b"unpolled");
-    for i in 0..2u64 {
-        p.b.post_recv(&RecvWr::new(
-            10 + i,
-            &[dst
-                .slice(i as usize * 64..(i as usize + 1) * 64)
-                .ctx("slice")?],
-        ))
-        .ctx("post_recv")?;
-    }
+    post_slots(&p.b, &dst, 10, 2, 64)?;
     for i in 0..2u64 {
         p.a.post_send(&SendWr::send(i, &[src.slice(0..8).ctx("slice")?]))
             .ctx("post_send")?;
@@ -165,15 +174,7 @@ fn receives_in_order(ctx: &Ctx) -> CaseResultOf {
     let p = ctx.pair()?;
     let src = region(&p.da, 64, Access::empty())?;
     let dst = region(&p.db, 3 * 64, Access::LOCAL_WRITE)?;
-    for i in 0..3 {
-        p.b.post_recv(&RecvWr::new(
-            100 + i,
-            &[dst
-                .slice(i as usize * 64..(i as usize + 1) * 64)
-                .ctx("slice")?],
-        ))
-        .ctx("post_recv")?;
-    }
+    post_slots(&p.b, &dst, 100, 3, 64)?;
     for i in 0..3u8 {
         src.buffer().fill(0, 64, b'a' + i);
         p.a.post_send(
