@@ -274,6 +274,10 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
         let mut st = self.lock();
         self.drain(&mut st);
         let n = st.ready.len().min(max);
+        if n == 0 {
+            // The empty poll of a spinning application: nothing to move or give back.
+            return 0;
+        }
         out.extend(st.ready.drain(..n));
         drop(st);
         self.release(n);

@@ -824,6 +824,7 @@ impl CSockAddr {
 /// the QP or CQ it was creating and returns NULL with errno untouched (often 0). Where the
 /// mappings of one context fall depends on the order its queues were created in, so this
 /// strikes one run in ten or so of a process that opens a few endpoints from several threads.
+#[cfg(debug_assertions)] // the device tests' check (`fault::mmap_sentinel`)
 pub(crate) const SIW_SENTINEL_OFFSET: usize = 0x9_0000;
 
 /// Completion entries of the guard CQ: 32 bytes each, so its queue maps 1 MiB, past the
@@ -880,6 +881,7 @@ pub(crate) fn guard_siw_sentinel(ctx: Ctx) {
 
 /// The index of the first of a run of one-page mappings from offset 0 that begins at
 /// [`SIW_SENTINEL_OFFSET`].
+#[cfg(debug_assertions)] // the device tests' check (`fault::mmap_sentinel`)
 pub(crate) fn sentinel_page_index() -> usize {
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
@@ -889,6 +891,7 @@ pub(crate) fn sentinel_page_index() -> usize {
 /// On a private context of `device`, guarded first or not: creates one-page CQs until one
 /// would map at [`SIW_SENTINEL_OFFSET`] (that one included); returns the index of the
 /// first that failed, if any. Every object is destroyed before the context is closed.
+#[cfg(debug_assertions)] // the device tests' check (`fault::mmap_sentinel`)
 pub(crate) fn fill_to_sentinel(device: &str, guard: bool) -> io::Result<Option<usize>> {
     let mut ctx: *mut sys::ibv_context = ptr::null_mut();
     each_device(|dev| {
@@ -1576,14 +1579,28 @@ impl CmId {
     /// The `sges` must name memory registered (LOCAL_WRITE) under their keys that stays
     /// alive until the receive completes or the queue pair is destroyed.
     pub unsafe fn post_recv(&self, wr_id: u64, sges: &[Sge]) -> io::Result<()> {
-        let mut list: SmallVec<[sys::ibv_sge; 4]> = sges
-            .iter()
-            .map(|s| sys::ibv_sge {
+        const EMPTY: sys::ibv_sge = sys::ibv_sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        };
+        // Up to four entries on the stack, without a collecting iterator (the receive is
+        // on every message's path); a longer list in a vector of its own.
+        let mut small = [EMPTY; 4];
+        let mut long = Vec::new();
+        let list: &mut [sys::ibv_sge] = if sges.len() <= small.len() {
+            &mut small[..sges.len()]
+        } else {
+            long.resize(sges.len(), EMPTY);
+            &mut long
+        };
+        for (d, s) in list.iter_mut().zip(sges) {
+            *d = sys::ibv_sge {
                 addr: s.addr,
                 length: s.len,
                 lkey: s.lkey,
-            })
-            .collect();
+            };
+        }
         let mut wr = sys::ibv_recv_wr {
             wr_id,
             next: ptr::null_mut(),
