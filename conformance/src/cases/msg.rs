@@ -127,12 +127,6 @@ fn send_recv(ctx: &Ctx) -> CaseResultOf {
     Ok(())
 }
 
-/// A send completes whether or not the receiving application ever polls or posts again: on
-/// RC devices the target's NIC acknowledges it; the software providers must confirm it
-/// themselves (the iwarp provider's count of completed receives never comes from a
-/// receiver that does not poll, so its delivery read has to go after all). Two sends, the
-/// second while the application waits on the queue: each completes, and only then does
-/// the receiver look.
 /// Posts `n` receives on `ep`, each into the next `slot` bytes of `dst`, with the contexts
 /// `first`, `first + 1`, and so on.
 fn post_slots(
@@ -150,6 +144,12 @@ fn post_slots(
     Ok(())
 }
 
+/// A send completes whether or not the receiving application ever polls or posts again: on
+/// RC devices the target's NIC acknowledges it; the software providers must confirm it
+/// themselves (the iwarp provider's count of completed receives never comes from a
+/// receiver that does not poll, so its delivery read has to go after all). Two sends, the
+/// second while the application waits on the queue: each completes, and only then does
+/// the receiver look.
 fn receiver_never_polls(ctx: &Ctx) -> CaseResultOf {
     let p = ctx.pair()?;
     let src = region(&p.da, 64, Access::empty())?;

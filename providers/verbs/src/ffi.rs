@@ -1081,6 +1081,17 @@ pub(crate) struct Sge {
     pub lkey: u32,
 }
 
+impl Sge {
+    /// The entry as the device library takes it.
+    fn raw(&self) -> sys::ibv_sge {
+        sys::ibv_sge {
+            addr: self.addr,
+            length: self.len,
+            lkey: self.lkey,
+        }
+    }
+}
+
 /// The operation of a hardware send-queue request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum HwOp {
@@ -1171,11 +1182,7 @@ fn gather_lists(wrs: &[HwWr]) -> (ChainSges, ChainSpans) {
                 lkey: 0,
             }),
             Some(_) => {}
-            None => sges.extend(w.sges.iter().map(|s| sys::ibv_sge {
-                addr: s.addr,
-                length: s.len,
-                lkey: s.lkey,
-            })),
+            None => sges.extend(w.sges.iter().map(Sge::raw)),
         }
         spans.push((at, sges.len() - at));
     }
@@ -1545,11 +1552,7 @@ impl CmId {
         }; ONE_SGES];
         let n = sges.len().min(ONE_SGES);
         for (d, s) in list.iter_mut().zip(&sges[..n]) {
-            *d = sys::ibv_sge {
-                addr: s.addr,
-                length: s.len,
-                lkey: s.lkey,
-            };
+            *d = s.raw();
         }
         // SAFETY: all-zero is a valid (empty) send request; filled in below.
         let mut r: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
@@ -1595,11 +1598,7 @@ impl CmId {
             &mut long
         };
         for (d, s) in list.iter_mut().zip(sges) {
-            *d = sys::ibv_sge {
-                addr: s.addr,
-                length: s.len,
-                lkey: s.lkey,
-            };
+            *d = s.raw();
         }
         let mut wr = sys::ibv_recv_wr {
             wr_id,
