@@ -116,7 +116,35 @@ struct RegionInner {
     access: Access,
     domain_id: u64,
     revoked: AtomicBool,
+    /// The registration's local key, read once: it names the region on every request.
+    local_key: u32,
     registration: Box<dyn Registration>,
+}
+
+impl RegionInner {
+    /// The checks of [`Slice::check_local`].
+    #[inline]
+    fn check_local(&self, domain_id: u64, need: Access) -> Result<()> {
+        if self.domain_id != domain_id {
+            return Err(Error::new(
+                ErrorKind::LocalProtection,
+                "region belongs to another domain or provider",
+            ));
+        }
+        if self.revoked.load(Ordering::Acquire) {
+            return Err(Error::new(
+                ErrorKind::LocalProtection,
+                "region is deregistered",
+            ));
+        }
+        if !self.access.contains(need) {
+            return Err(Error::new(
+                ErrorKind::LocalProtection,
+                format!("region lacks {need:?} access"),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A registered memory region. It owns (shares) its buffer; operations in flight hold a
@@ -166,6 +194,7 @@ impl MemoryRegion {
                 access,
                 domain_id,
                 revoked: AtomicBool::new(false),
+                local_key: registration.local_key(),
                 registration,
             }),
         }
@@ -303,6 +332,10 @@ impl RegionRef {
     pub fn domain_id(&self) -> u64 {
         self.inner.domain_id
     }
+    /// The registration's local key (read once, when the region was built).
+    pub fn local_key(&self) -> u32 {
+        self.inner.local_key
+    }
     /// The provider registration (keys).
     pub fn registration(&self) -> &dyn Registration {
         &*self.inner.registration
@@ -353,27 +386,21 @@ impl<'a> Slice<'a> {
     }
     /// Checks that the slice may be used locally by an endpoint of `domain_id` with the
     /// given access (`LOCAL_WRITE` for sinks); returns a counted reference.
+    #[inline]
     pub fn check_local(&self, domain_id: u64, need: Access) -> Result<RegionRef> {
-        let r = self.region.to_ref();
-        if r.domain_id() != domain_id {
-            return Err(Error::new(
-                ErrorKind::LocalProtection,
-                "region belongs to another domain or provider",
-            ));
-        }
-        if r.is_revoked() {
-            return Err(Error::new(
-                ErrorKind::LocalProtection,
-                "region is deregistered",
-            ));
-        }
-        if !r.access().contains(need) {
-            return Err(Error::new(
-                ErrorKind::LocalProtection,
-                format!("region lacks {need:?} access"),
-            ));
-        }
-        Ok(r)
+        self.region.inner.check_local(domain_id, need)?;
+        Ok(self.region.to_ref())
+    }
+
+    /// The checks of [`check_local`](Self::check_local) without the counted reference,
+    /// for memory used only while the caller borrows the slice (an inline payload the
+    /// provider copies during the call). Returns the address of the slice's first byte
+    /// and the region's local key.
+    #[inline]
+    pub fn check_local_now(&self, domain_id: u64, need: Access) -> Result<(u64, u32)> {
+        let r = &*self.region.inner;
+        r.check_local(domain_id, need)?;
+        Ok((r.buffer.addr() + self.offset as u64, r.local_key))
     }
 }
 
@@ -453,6 +480,37 @@ mod tests {
         assert!(flag.load(Ordering::SeqCst));
         assert!(held.is_revoked());
         held.buffer().write(0, b"still ok");
+    }
+
+    #[test]
+    fn checking_without_a_reference_applies_the_same_rules_and_holds_nothing() {
+        let flag = Arc::new(AtomicBool::new(false));
+        let mr = MemoryRegion::new(
+            Arc::new(Buffer::new(16)),
+            Access::empty(),
+            7,
+            Box::new(NoReg(flag.clone())),
+        );
+        let s = mr.slice(4..12).unwrap();
+        assert_eq!(
+            s.check_local_now(7, Access::empty()).unwrap(),
+            (mr.buffer().addr() + 4, 1),
+            "the slice's first byte and the registration's local key"
+        );
+        for (domain, need) in [(8, Access::empty()), (7, Access::LOCAL_WRITE)] {
+            let kind = |r: Result<()>| r.unwrap_err().kind();
+            assert_eq!(
+                kind(s.check_local_now(domain, need).map(drop)),
+                ErrorKind::LocalProtection
+            );
+            assert_eq!(
+                kind(s.check_local(domain, need).map(drop)),
+                ErrorKind::LocalProtection
+            );
+        }
+        // No counted reference was taken: the region's memory is the application's again.
+        assert!(mr.into_buffer().is_ok());
+        assert!(flag.load(Ordering::SeqCst));
     }
 
     #[test]

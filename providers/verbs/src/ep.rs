@@ -860,6 +860,23 @@ impl EpCore {
     // ----- planning ---------------------------------------------------------------------
 
     fn sges(&self, sgl: &[Slice<'_>], need: Access) -> Result<(Sges, Holds, u64)> {
+        let mut sges = Sges::new();
+        let mut holds = Holds::new();
+        let total = self.gather(sgl, need, &mut sges, Some(&mut holds))?;
+        Ok((sges, holds, total))
+    }
+
+    /// Checks a gather/scatter list and appends its non-empty entries to `sges`, with a
+    /// counted reference to each region in `holds` (memory the device uses after the call
+    /// returns) or, without `holds`, none (an inline payload, which the device library
+    /// copies during the call while the caller borrows it). Returns the total bytes.
+    fn gather(
+        &self,
+        sgl: &[Slice<'_>],
+        need: Access,
+        sges: &mut Sges,
+        mut holds: Option<&mut Holds>,
+    ) -> Result<u64> {
         let max = self.dom.limits.max_sge as usize;
         if sgl.len() > max {
             return Err(Error::invalid(format!(
@@ -867,20 +884,25 @@ impl EpCore {
                 sgl.len()
             )));
         }
-        let mut sges = Sges::new();
-        let mut holds = Holds::new();
         let mut total = 0u64;
         for s in sgl {
-            let r = s.check_local(self.dom.id, need)?;
+            let (addr, lkey) = match holds.as_deref_mut() {
+                Some(h) => {
+                    let r = s.check_local(self.dom.id, need)?;
+                    let at = (r.buffer().addr() + s.offset() as u64, r.local_key());
+                    h.push(r);
+                    at
+                }
+                None => s.check_local_now(self.dom.id, need)?,
+            };
             if !s.is_empty() {
                 sges.push(Sge {
-                    addr: r.buffer().addr() + s.offset() as u64,
+                    addr,
                     len: s.len() as u32,
-                    lkey: r.registration().local_key(),
+                    lkey,
                 });
             }
             total += s.len() as u64;
-            holds.push(r);
         }
         if total > self.dom.limits.max_msg_size {
             return Err(Error::invalid(format!(
@@ -888,7 +910,7 @@ impl EpCore {
                 self.dom.limits.max_msg_size
             )));
         }
-        Ok((sges, holds, total))
+        Ok(total)
     }
 
     fn unsupported(&self, what: &str) -> Error {
@@ -1368,7 +1390,10 @@ impl EpCore {
         if crate::fault::armed() {
             return None;
         }
-        let (sges, holds, total) = match self.sges(sgl, need) {
+        let mut sges = Sges::new();
+        let mut holds = Holds::new();
+        // An inline payload is read during the call: no counted reference to take.
+        let total = match self.gather(sgl, need, &mut sges, (!inline).then_some(&mut holds)) {
             Ok(x) => x,
             Err(e) => return Some(Err(e)),
         };
@@ -1391,10 +1416,11 @@ impl EpCore {
             return None;
         }
         let seq = l.next_seq;
-        // SAFETY: every entry names memory registered in this domain (checked by `sges`),
-        // held by the record pushed below until it completes or the queue pair is
-        // destroyed (teardown destroys it before dropping records); an inline payload is
-        // read during the call, while `wr` borrows it.
+        // SAFETY: every entry names memory registered in this domain (checked by
+        // `gather`), held by the record pushed below until it completes or the queue pair
+        // is destroyed (teardown destroys it before dropping records); an inline payload,
+        // of which no reference is held, is read during the call, while `wr` borrows its
+        // region (which cannot be dropped meanwhile).
         #[allow(unsafe_code)]
         let posted = unsafe {
             self.id
@@ -1426,7 +1452,7 @@ impl EpCore {
             failed: None,
             group_err: None,
             emu: None,
-            _holds: if inline { Holds::new() } else { holds },
+            _holds: holds,
         });
         l.user_sq += 1;
         l.hw_sq += 1;
@@ -2316,7 +2342,9 @@ impl EpCore {
     }
 
     pub fn post_recv(self: &Arc<Self>, wr: &RecvWr<'_>) -> Result<()> {
-        let (mut sges, holds, _) = self.sges(wr.sgl, Access::LOCAL_WRITE)?;
+        let mut sges = Sges::new();
+        let mut holds = Holds::new();
+        self.gather(wr.sgl, Access::LOCAL_WRITE, &mut sges, Some(&mut holds))?;
         if sges.is_empty() {
             // A receive for zero-byte messages: siw's user-space provider refuses a
             // receive without entries (EINVAL); one entry of length 0 in our own area is
