@@ -192,9 +192,14 @@ impl Cm {
     }
 
     /// Like [`Cm::reap`] for an identifier a helper thread may still hold: whoever drops
-    /// the last reference destroys it, never the caller's thread.
-    pub fn reap_shared(&self, id: Arc<CmId>) {
-        self.drop_in_background(id);
+    /// the last reference destroys it, never the caller's thread. `qp_uses` (the
+    /// protection domain and completion queues of the identifier's queue pair) is dropped
+    /// after the identifier: the queue pair, destroyed with the last reference, goes
+    /// before them (a protection domain or queue still in use cannot be freed: the kernel
+    /// refuses with EBUSY and it would leak).
+    pub fn reap_shared<K: Send + 'static>(&self, id: Arc<CmId>, qp_uses: K) {
+        // A tuple drops its fields in order: the identifier first.
+        self.drop_in_background((id, qp_uses));
     }
 
     /// Drops `victim` on a thread of its own that also keeps the event channel alive.

@@ -1006,7 +1006,12 @@ impl<F: Flavor> VerbsDomain<F> {
         }
         let fail = |e: Error| {
             d.cm.unregister(shared.key());
-            d.cm.reap_shared(shared.clone());
+            let qp_uses = (
+                d.pd.clone(),
+                cfg.send_cq.inner.clone(),
+                cfg.recv_cq.inner.clone(),
+            );
+            d.cm.reap_shared(shared.clone(), qp_uses);
             Err(e)
         };
         let ev = loop {

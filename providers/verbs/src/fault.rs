@@ -13,7 +13,8 @@
 //! The hook is process-wide: a test that arms it must be the only one posting meanwhile.
 //!
 //! The module also counts the requests the endpoints' direct path posted ([`direct_posts`]),
-//! so that the device tests can tell which connections take it.
+//! so that the device tests can tell which connections take it, and the protection domains
+//! alive and those the device refused to free ([`protection_domains_kept`]).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -90,6 +91,33 @@ pub fn confirmed_by_count() -> usize {
 /// Counts one send confirmed by the peer's count.
 pub(crate) fn note_confirmed() {
     CONFIRMED.fetch_add(1, Ordering::SeqCst);
+}
+
+static PDS: AtomicUsize = AtomicUsize::new(0);
+static PDS_KEPT: AtomicUsize = AtomicUsize::new(0);
+
+/// Protection domains allocated and not yet freed, in this process.
+pub fn protection_domains() -> usize {
+    PDS.load(Ordering::SeqCst)
+}
+
+/// Protection domains the device refused to free (something still used them: the kernel
+/// answers EBUSY and the domain leaks), so far in this process.
+pub fn protection_domains_kept() -> usize {
+    PDS_KEPT.load(Ordering::SeqCst)
+}
+
+/// Counts a protection domain allocated (`true`) or given up (`false`), and whether the
+/// device freed it.
+pub(crate) fn note_pd(allocated: bool, freed: bool) {
+    if allocated {
+        PDS.fetch_add(1, Ordering::SeqCst);
+    } else {
+        PDS.fetch_sub(1, Ordering::SeqCst);
+        if !freed {
+            PDS_KEPT.fetch_add(1, Ordering::SeqCst);
+        }
+    }
 }
 
 /// Whether a refusal is planned: the endpoint's direct path steps aside for the ledger's,

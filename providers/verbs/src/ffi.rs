@@ -406,14 +406,21 @@ impl Pd {
         if ptr.is_null() {
             return Err(last_err());
         }
+        #[cfg(debug_assertions)]
+        crate::fault::note_pd(true, true);
         Ok(Arc::new(Pd { ptr }))
     }
 }
 
 impl Drop for Pd {
     fn drop(&mut self) {
-        // SAFETY: every MR and QP on this PD holds an Arc<Pd>, so none is left.
+        // SAFETY: every MR on this PD holds an Arc<Pd>, and whatever holds a queue pair of
+        // it holds one too until the queue pair is destroyed (an endpoint through its
+        // domain, a connect helper and the identifier's reaper explicitly), so none is
+        // left.
         let rc = unsafe { sys::ibv_dealloc_pd(self.ptr) };
+        #[cfg(debug_assertions)]
+        crate::fault::note_pd(false, rc == 0);
         if rc != 0 {
             tracing::warn!(
                 "ibv_dealloc_pd failed: {}",

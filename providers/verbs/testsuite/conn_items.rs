@@ -345,7 +345,55 @@ pub fn conn_items<F: Flavor>(d: VerbsDomain<F>, ip: IpAddr) {
 
     #[cfg(debug_assertions)]
     refusals(&d, ip, &ccq, &scq);
+    #[cfg(debug_assertions)]
+    refused_connects_give_everything_back::<F>(ip);
     eprintln!("conn_items: every check passed on {} at {ip}", F::NAME);
+}
+
+/// Refused connections leave nothing on the device: a domain dropped right after them
+/// frees its protection domain. (Until 2026-11-28 the identifier of a refused connect was
+/// destroyed on a background thread that did not keep the protection domain: when the
+/// domain went first, the kernel refused to free it, EBUSY, and it leaked.)
+#[cfg(debug_assertions)]
+fn refused_connects_give_everything_back<F: Flavor>(ip: IpAddr) {
+    use fabric_verbs::fault;
+    let (kept, live) = (
+        fault::protection_domains_kept(),
+        fault::protection_domains(),
+    );
+    for _ in 0..5 {
+        let d = match VerbsDomain::<F>::open(VerbsOptions {
+            address: Some(ip),
+            ..VerbsOptions::default()
+        }) {
+            Ok(d) => d,
+            Err(e) => panic!("opening a second {} domain on {ip}: {e}", F::NAME),
+        };
+        let cq = d.create_cq(16).unwrap();
+        let l = d.listen(SocketAddr::new(ip, 0)).unwrap();
+        let gone = l.local_addr();
+        drop(l);
+        let mut c = d.connect_start(gone, &cfg(&cq, 1)).unwrap();
+        assert!(wait_readable(c.as_fd(), T + Duration::from_secs(2)));
+        let e = c.poll().map(|_| ()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
+        drop((c, cq, d));
+    }
+    // Whatever destroys the identifiers in the background frees the domains after them.
+    let t0 = Instant::now();
+    while fault::protection_domains() > live && t0.elapsed() < T {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        fault::protection_domains_kept(),
+        kept,
+        "the device refused to free the protection domain of a refused connection"
+    );
+    assert_eq!(
+        fault::protection_domains(),
+        live,
+        "a protection domain was never freed"
+    );
 }
 
 /// What the ledger does when the device refuses a post (`fabric_verbs::fault`, debug
