@@ -54,6 +54,18 @@ fn next<F: Flavor>(cq: &VerbsCq<F>) -> Completion {
     panic!("no completion within {T:?}");
 }
 
+/// Connects to a port of `ip` where nobody listens: the connection fails through poll,
+/// refused.
+fn connect_refused<F: Flavor>(d: &VerbsDomain<F>, ip: IpAddr, cq: &VerbsCq<F>) {
+    let l = d.listen(SocketAddr::new(ip, 0)).unwrap();
+    let gone = l.local_addr();
+    drop(l);
+    let mut c = d.connect_start(gone, &cfg(cq, 1)).unwrap();
+    assert!(wait_readable(c.as_fd(), T + Duration::from_secs(2)));
+    let e = c.poll().map(|_| ()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
+}
+
 fn region<F: Flavor>(d: &VerbsDomain<F>, acc: Access) -> MemoryRegion {
     d.register(Arc::new(Buffer::new(4096)), acc).unwrap()
 }
@@ -317,13 +329,7 @@ pub fn conn_items<F: Flavor>(d: VerbsDomain<F>, ip: IpAddr) {
     drop((c, s));
 
     // A refused connection fails through poll.
-    let l = d.listen(SocketAddr::new(ip, 0)).unwrap();
-    let gone = l.local_addr();
-    drop(l);
-    let mut c = d.connect_start(gone, &cfg(&ccq, 1)).unwrap();
-    assert!(wait_readable(c.as_fd(), T + Duration::from_secs(2)));
-    let e = c.poll().map(|_| ()).unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
+    connect_refused(&d, ip, &ccq);
 
     // An abandoned connection: the listener accepts it, then sees it closed by the
     // provider's thread. Abandoned once its request reached the listener: dropped before
@@ -370,14 +376,8 @@ fn refused_connects_give_everything_back<F: Flavor>(ip: IpAddr) {
             Err(e) => panic!("opening a second {} domain on {ip}: {e}", F::NAME),
         };
         let cq = d.create_cq(16).unwrap();
-        let l = d.listen(SocketAddr::new(ip, 0)).unwrap();
-        let gone = l.local_addr();
-        drop(l);
-        let mut c = d.connect_start(gone, &cfg(&cq, 1)).unwrap();
-        assert!(wait_readable(c.as_fd(), T + Duration::from_secs(2)));
-        let e = c.poll().map(|_| ()).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
-        drop((c, cq, d));
+        connect_refused(&d, ip, &cq);
+        drop((cq, d));
     }
     // Whatever destroys the identifiers in the background frees the domains after them.
     let t0 = Instant::now();
