@@ -153,7 +153,7 @@ where
         tracing::debug!(target: TARGET, key = %format_args!("{:#x}", desc.key),
             addr = %format_args!("{:#x}", desc.addr), len = desc.len, ?access, "register");
         let reg = TracedRegistration {
-            lkey: keep.registration().local_key(),
+            lkey: keep.local_key(),
             rkey: desc.key,
             region: Mutex::new(Some(mr)),
             _keep: keep.clone(),

@@ -978,15 +978,18 @@ impl<F: Flavor> VerbsDomain<F> {
         // synchronously, for minutes when nobody answers): run it on a helper thread that
         // keeps everything the queue pair uses alive, and wait here with the deadline.
         let shared = Arc::new(guard.id.take().expect("identifier held"));
-        let (tx, rx) = mpsc::channel();
-        {
-            let id = shared.clone();
-            let keep = (
-                d.cm.keep_alive(),
+        // What the queue pair uses: whoever may destroy it drops these after it.
+        let qp_uses = || {
+            (
                 d.pd.clone(),
                 cfg.send_cq.inner.clone(),
                 cfg.recv_cq.inner.clone(),
-            );
+            )
+        };
+        let (tx, rx) = mpsc::channel();
+        {
+            let id = shared.clone();
+            let keep = (d.cm.keep_alive(), qp_uses());
             let private = private.clone();
             let (retry, rnr) = (d.profile.retry, d.profile.rnr_retry);
             std::thread::Builder::new()
@@ -1006,12 +1009,7 @@ impl<F: Flavor> VerbsDomain<F> {
         }
         let fail = |e: Error| {
             d.cm.unregister(shared.key());
-            let qp_uses = (
-                d.pd.clone(),
-                cfg.send_cq.inner.clone(),
-                cfg.recv_cq.inner.clone(),
-            );
-            d.cm.reap_shared(shared.clone(), qp_uses);
+            d.cm.reap_shared(shared.clone(), qp_uses());
             Err(e)
         };
         let ev = loop {

@@ -107,16 +107,16 @@ pub fn protection_domains_kept() -> usize {
     PDS_KEPT.load(Ordering::SeqCst)
 }
 
-/// Counts a protection domain allocated (`true`) or given up (`false`), and whether the
-/// device freed it.
-pub(crate) fn note_pd(allocated: bool, freed: bool) {
-    if allocated {
-        PDS.fetch_add(1, Ordering::SeqCst);
-    } else {
-        PDS.fetch_sub(1, Ordering::SeqCst);
-        if !freed {
-            PDS_KEPT.fetch_add(1, Ordering::SeqCst);
-        }
+/// Counts a protection domain allocated.
+pub(crate) fn note_pd_allocated() {
+    PDS.fetch_add(1, Ordering::SeqCst);
+}
+
+/// Counts a protection domain given up, and whether the device freed it.
+pub(crate) fn note_pd_dropped(freed: bool) {
+    PDS.fetch_sub(1, Ordering::SeqCst);
+    if !freed {
+        PDS_KEPT.fetch_add(1, Ordering::SeqCst);
     }
 }
 

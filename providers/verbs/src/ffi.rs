@@ -407,7 +407,7 @@ impl Pd {
             return Err(last_err());
         }
         #[cfg(debug_assertions)]
-        crate::fault::note_pd(true, true);
+        crate::fault::note_pd_allocated();
         Ok(Arc::new(Pd { ptr }))
     }
 }
@@ -420,7 +420,7 @@ impl Drop for Pd {
         // left.
         let rc = unsafe { sys::ibv_dealloc_pd(self.ptr) };
         #[cfg(debug_assertions)]
-        crate::fault::note_pd(false, rc == 0);
+        crate::fault::note_pd_dropped(rc == 0);
         if rc != 0 {
             tracing::warn!(
                 "ibv_dealloc_pd failed: {}",
