@@ -239,6 +239,8 @@ impl<'a> Reaper<'a> {
     }
 
     /// One empty poll's pause, and the stall check (every 1024 empty polls when polling).
+    /// Inlined: a spinning caller's every empty poll runs it, and the check is apart.
+    #[inline]
     fn idle(
         &mut self,
         mode: Mode,
@@ -257,17 +259,29 @@ impl<'a> Reaper<'a> {
             }
         }
         if mode == Mode::Block || idle.is_multiple_of(1024) {
-            let start = *since.get_or_insert_with(Instant::now);
-            if start.elapsed() > limit {
-                return Err(format!(
-                    "no progress for {limit:?} waiting for {what} (endpoint {:?})",
-                    self.ep.state()
-                ));
-            }
-            // The caller polls once more before failing: what the peer sent before it
-            // left may already be queued.
-            self.gone = self.ep.state() != EndpointState::Connected;
+            return self.stall_check(since, limit, what);
         }
+        Ok(())
+    }
+
+    /// Fails once `limit` passed without progress; notes whether the endpoint left.
+    #[cold]
+    fn stall_check(
+        &mut self,
+        since: &mut Option<Instant>,
+        limit: Duration,
+        what: &str,
+    ) -> Result<(), String> {
+        let start = *since.get_or_insert_with(Instant::now);
+        if start.elapsed() > limit {
+            return Err(format!(
+                "no progress for {limit:?} waiting for {what} (endpoint {:?})",
+                self.ep.state()
+            ));
+        }
+        // The caller polls once more before failing: what the peer sent before it left may
+        // already be queued.
+        self.gone = self.ep.state() != EndpointState::Connected;
         Ok(())
     }
 

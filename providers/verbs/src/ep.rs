@@ -1920,7 +1920,7 @@ impl EpCore {
             let mut l = self.lock();
             let recs: Vec<RqRec> = l.rq.drain(..).collect();
             for r in recs {
-                cst.ready.push_back(
+                cst.ready.push(
                     Completion::flushed(r.context, Opcode::Recv).on_endpoint(self.ep_context),
                 );
                 l.graveyard.extend(r._holds);
@@ -2108,9 +2108,8 @@ impl EpCore {
         let mut cst = self.recv_cq.lock();
         self.recv_cq.drain(&mut cst);
         for r in rq {
-            cst.ready.push_back(
-                Completion::flushed(r.context, Opcode::Recv).on_endpoint(self.ep_context),
-            );
+            cst.ready
+                .push(Completion::flushed(r.context, Opcode::Recv).on_endpoint(self.ep_context));
         }
         self.recv_cq.notify();
     }
@@ -2329,7 +2328,7 @@ impl EpCore {
             }
         }
         l.recvs_done += 1;
-        cst.ready.push_back(Completion {
+        cst.ready.push(Completion {
             context,
             opcode: Opcode::Recv,
             status: status.map_or(Status::Success, |e| Status::Error(e.0)),
@@ -2691,7 +2690,7 @@ impl EpCore {
                     None => {}
                 }
             }
-            cst.ready.push_back(Completion {
+            cst.ready.push(Completion {
                 context: r.context,
                 opcode,
                 status: err.map_or(Status::Success, |e| Status::Error(e.0)),
@@ -2812,7 +2811,7 @@ impl EpCore {
             }
             let r = l.rq.pop_front().expect("front exists");
             l.recvs_done += 1;
-            cst.ready.push_back(Completion {
+            cst.ready.push(Completion {
                 context: r.context,
                 opcode: if w.opcode == ffi::wc_opcode::RECV_RDMA_WITH_IMM {
                     Opcode::RecvWriteWithImm
@@ -2884,7 +2883,7 @@ impl EpCore {
     ) {
         match e {
             None if !u.signaled => cq.release(1),
-            None => cst.ready.push_back(Completion {
+            None => cst.ready.push(Completion {
                 context: u.context,
                 opcode: u.opcode,
                 status: Status::Success,
@@ -2893,7 +2892,7 @@ impl EpCore {
                 imm: None,
                 ep_context: self.ep_context,
             }),
-            Some((kind, code)) => cst.ready.push_back(Completion {
+            Some((kind, code)) => cst.ready.push(Completion {
                 context: u.context,
                 opcode: u.opcode,
                 status: Status::Error(kind),
