@@ -157,6 +157,13 @@ fn server_recvs(op: Op, max_size: u64, window: u64) -> (u64, u64) {
     }
 }
 
+/// What the loops use of a receive's completion.
+#[derive(Debug, Clone, Copy)]
+struct Received {
+    context: u64,
+    byte_len: u64,
+}
+
 /// Polls one completion queue, sorting what it finds: receives are queued in order, data
 /// requests advance `done_upto` (send queues complete in order, so a signaled completion
 /// covers every earlier unsignaled request).
@@ -165,7 +172,7 @@ struct Reaper<'a> {
     ep: &'a AnyEndpoint,
     mode: Mode,
     out: Vec<Completion>,
-    recvs: VecDeque<Completion>,
+    recvs: VecDeque<Received>,
     done_upto: u64,
     /// The endpoint left the connected state (seen while idle).
     gone: bool,
@@ -188,7 +195,7 @@ impl<'a> Reaper<'a> {
     fn poll_once(&mut self) -> Result<usize, String> {
         self.out.clear();
         let n = self.cq.poll(&mut self.out, 64).map_err(e("poll"))?;
-        for c in self.out.drain(..) {
+        for c in &self.out {
             if c.status == Status::Error(ErrorKind::Flushed) {
                 // The connection is closing: what was still posted comes back flushed.
                 // Whatever completed before it is still used; waiting for more fails.
@@ -202,7 +209,10 @@ impl<'a> Reaper<'a> {
                 ));
             }
             match c.opcode {
-                Opcode::Recv | Opcode::RecvWriteWithImm => self.recvs.push_back(c),
+                Opcode::Recv | Opcode::RecvWriteWithImm => self.recvs.push_back(Received {
+                    context: c.context,
+                    byte_len: c.byte_len,
+                }),
                 _ if c.context & CTRL_TAG != 0 => {}
                 _ => self.done_upto = self.done_upto.max(c.context + 1),
             }
@@ -285,7 +295,7 @@ impl<'a> Reaper<'a> {
         Ok(())
     }
 
-    fn next_recv(&mut self, mode: Mode, limit: Duration) -> Result<Completion, String> {
+    fn next_recv(&mut self, mode: Mode, limit: Duration) -> Result<Received, String> {
         self.wait_until(mode, limit, "a receive", |r| !r.recvs.is_empty())?;
         Ok(self.recvs.pop_front().expect("ready"))
     }
