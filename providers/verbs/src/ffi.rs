@@ -1545,7 +1545,6 @@ impl CmId {
     /// At most [`ONE_SGES`] entries. Each names memory registered in this domain that stays
     /// alive until the request completes or the queue pair is destroyed (inline: during
     /// the call).
-    #[inline]
     pub unsafe fn post_one(
         &self,
         wr_id: u64,
@@ -1590,7 +1589,6 @@ impl CmId {
     /// # Safety
     /// The `sges` must name memory registered (LOCAL_WRITE) under their keys that stays
     /// alive until the receive completes or the queue pair is destroyed.
-    #[inline]
     pub unsafe fn post_recv(&self, wr_id: u64, sges: &[Sge]) -> io::Result<()> {
         const EMPTY: sys::ibv_sge = sys::ibv_sge {
             addr: 0,
