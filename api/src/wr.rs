@@ -34,6 +34,24 @@ bitflags::bitflags! {
         /// provider coalesces small messages this way; the verbs providers post every
         /// request at once (the flag changes nothing there).
         const MORE = 1 << 3;
+        /// Transmit complete (libfabric's `FI_TRANSMIT_COMPLETE`), for sends and writes: the
+        /// completion may come once the request has left for the peer, which will deliver
+        /// it unless the connection fails, instead of once its data is in the target's
+        /// memory (the contract's default, delivery complete). Where the transport's own
+        /// completion already means delivery (InfiniBand and RoCE complete on the peer's
+        /// acknowledgement, the tcp provider on its own) nothing changes. On iWARP, whose
+        /// devices complete a send or write once TCP has it, the provider skips the RDMA
+        /// Read that confirms delivery: the request costs what the device's own does.
+        ///
+        /// The price is where a refusal shows. If the peer refuses such a request (a bad
+        /// remote key, a receive too short), its completion may already have said
+        /// success: the endpoint then enters the error state with an
+        /// [`EndpointEvent::Failed`](crate::EndpointEvent::Failed) naming the likely
+        /// error, and every request still outstanding completes `Flushed` (none is blamed
+        /// for it: the device does not tell which request the peer refused). Ordering is
+        /// unchanged: a send after a write is still received after the write's data is
+        /// visible, a read after a write still returns the written data.
+        const TRANSMIT_COMPLETE = 1 << 4;
     }
 }
 
@@ -184,6 +202,12 @@ impl<'a> SendWr<'a> {
     /// to send it with them.
     pub fn more(mut self) -> Self {
         self.flags |= SendFlags::MORE;
+        self
+    }
+    /// Transmit complete ([`SendFlags::TRANSMIT_COMPLETE`]): the completion may come once
+    /// the request has left, not once its data is at the target.
+    pub fn transmit_complete(mut self) -> Self {
+        self.flags |= SendFlags::TRANSMIT_COMPLETE;
         self
     }
     /// The completion opcode this request produces.

@@ -89,6 +89,21 @@ pub(crate) struct PerfArgs {
     /// Busy poll without yielding the CPU between empty polls.
     #[arg(long)]
     spin: bool,
+    /// What a send's or write's completion means: `delivery`, its data is at the target
+    /// (the contract's default), or `transmit`, it has left for the peer
+    /// (`SendFlags::TRANSMIT_COMPLETE`, libfabric's FI_TRANSMIT_COMPLETE; what perftest
+    /// measures on iWARP). Both sides use it. It changes the cost only on iWARP.
+    #[arg(long, value_enum, default_value_t = Completion::Delivery)]
+    completion: Completion,
+}
+
+/// The completion level of the data sends and writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Completion {
+    /// Complete when the data is at the target.
+    Delivery,
+    /// Complete when the request has left (`SendFlags::TRANSMIT_COMPLETE`).
+    Transmit,
 }
 
 /// The three tests.
@@ -378,6 +393,8 @@ pub(crate) struct Plan {
     pub window: u64,
     /// Completion waiting.
     pub mode: Mode,
+    /// Sends and writes are transmit complete.
+    pub transmit: bool,
 }
 
 impl Plan {
@@ -430,6 +447,7 @@ impl Plan {
             phases,
             window: a.window,
             mode,
+            transmit: a.completion == Completion::Transmit,
         })
     }
 
@@ -571,6 +589,7 @@ fn client(
                 "provider": report.provider,
                 "device": report.device,
                 "completions": plan.mode.name(),
+                "completion_level": if plan.transmit { "transmit" } else { "delivery" },
                 "rows": rows.iter().map(Row::to_json).collect::<Vec<_>>(),
             });
             println!("{v}");
@@ -582,12 +601,17 @@ fn client(
 
 fn print_text(report: &fabric::SelectionReport, plan: &Plan, rows: &[Row]) {
     println!(
-        "# fabric perf {} --op {}: provider {} (device {}); completions: {}",
+        "# fabric perf {} --op {}: provider {} (device {}); completions: {}; {}",
         plan.test.name(),
         plan.op.name(),
         report.provider,
         report.device,
-        plan.mode.describe()
+        plan.mode.describe(),
+        if plan.transmit {
+            "sends and writes transmit complete"
+        } else {
+            "sends and writes delivery complete"
+        }
     );
     let what = match (plan.test, plan.op.one_way()) {
         (Test::Bw, _) => format!(

@@ -23,6 +23,9 @@ use super::{Mode, Op, Plan, Row, Test};
 const CTRL_LEN: usize = 64;
 const MAGIC: &[u8; 4] = b"FPRF";
 const HELLO: u8 = 1;
+/// In the hello's `c` (beside the completion mode): sends and writes are transmit
+/// complete.
+const HELLO_TRANSMIT: u64 = 1 << 8;
 const REPLY: u8 = 2;
 const PHASE: u8 = 3;
 const BYE: u8 = 4;
@@ -395,11 +398,13 @@ pub(crate) fn serve(domain: &AnyDomain, listener: &AnyListener) -> Result<(), St
         return Err(format!("expected hello, got control kind {}", hello.kind));
     }
     let op = Op::from_code(hello.op).ok_or("unknown operation in hello")?;
-    let mode = match hello.c {
+    let mode = match hello.c & !HELLO_TRANSMIT {
         0 => Mode::Busy,
         1 => Mode::Spin,
         _ => Mode::Block,
     };
+    // The echo's data sends and writes: transmit complete if the client's are.
+    let transmit = hello.c & HELLO_TRANSMIT != 0;
     r.mode = mode;
     let peer = hello.desc.ok_or("hello without the client's region")?;
     let max_size = hello.a.max(CTRL_LEN as u64) as usize;
@@ -454,7 +459,7 @@ pub(crate) fn serve(domain: &AnyDomain, listener: &AnyListener) -> Result<(), St
                 for _ in 0..count {
                     let c = r.next_recv(mode, STALL)?;
                     post_slot(c.context)?;
-                    let wr = SendWr::send(ctx, &src);
+                    let wr = level(SendWr::send(ctx, &src), transmit);
                     let wr = if inline { wr.inline() } else { wr };
                     let wr = if signal(ctx) { wr } else { wr.unsignaled() };
                     ctx += 1;
@@ -468,7 +473,7 @@ pub(crate) fn serve(domain: &AnyDomain, listener: &AnyListener) -> Result<(), St
                 for k in 0..count {
                     r.wait_marker(&target, size, m.c + k)?;
                     put_marker(&local, size, m.c + k);
-                    let wr = SendWr::write(ctx, &src, peer.at(0));
+                    let wr = level(SendWr::write(ctx, &src, peer.at(0)), transmit);
                     let wr = if signal(ctx) { wr } else { wr.unsignaled() };
                     ctx += 1;
                     r.post(|| ep.post_send(&wr))?;
@@ -479,7 +484,10 @@ pub(crate) fn serve(domain: &AnyDomain, listener: &AnyListener) -> Result<(), St
                 for _ in 0..count {
                     let c = r.next_recv(mode, STALL)?;
                     post_slot(c.context)?;
-                    let wr = SendWr::write(ctx, &src, peer.at(0)).with_imm(ctx as u32);
+                    let wr = level(
+                        SendWr::write(ctx, &src, peer.at(0)).with_imm(ctx as u32),
+                        transmit,
+                    );
                     let wr = if signal(ctx) { wr } else { wr.unsignaled() };
                     ctx += 1;
                     r.post(|| ep.post_send(&wr))?;
@@ -546,7 +554,7 @@ pub(crate) fn client(
         Mode::Busy => 0,
         Mode::Spin => 1,
         Mode::Block => 2,
-    };
+    } | if plan.transmit { HELLO_TRANSMIT } else { 0 };
     hello.desc = Some(target.desc());
     send_ctrl(&mut r, &ep, &ctrl_mr, &mut seq, hello)?;
     let c = r.next_recv(Mode::Block, STALL)?;
@@ -616,6 +624,7 @@ pub(crate) fn client(
             } else {
                 w
             };
+            let w = level(w, plan.transmit);
             if signaled {
                 w
             } else {
@@ -690,6 +699,15 @@ pub(crate) fn client(
         }
     }
     Ok(rows)
+}
+
+/// `w`, transmit complete if `transmit` (`--completion transmit`).
+fn level(w: SendWr<'_>, transmit: bool) -> SendWr<'_> {
+    if transmit {
+        w.transmit_complete()
+    } else {
+        w
+    }
 }
 
 /// Microseconds per transfer: min, median, p99, max.

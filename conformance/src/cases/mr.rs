@@ -9,7 +9,8 @@ use fabric::prelude::*;
 use super::cases;
 use crate::ensure;
 use crate::harness::{
-    all_access, expect_err, expect_ok, region, wait_state, Case, CaseResultOf, Ctx, Ctxt, Pair,
+    all_access, expect_err, expect_ok, next, note, region, wait_state, Case, CaseResultOf, Ctx,
+    Ctxt, Pair,
 };
 
 pub(super) fn cases() -> Vec<Case> {
@@ -18,6 +19,7 @@ pub(super) fn cases() -> Vec<Case> {
         "mr.descriptor_is_plain_data", "2", OpSet::empty() => descriptor_plain;
         "mr.keys_distinct_and_unguessable", "2", OpSet::empty() => keys_unguessable;
         "mr.bad_key", "2", OpSet::WRITE => bad_key;
+        "mr.bad_key_transmit_complete", "2", OpSet::WRITE => bad_key_transmit_complete;
         "mr.write_out_of_bounds", "2", OpSet::WRITE => write_oob;
         "mr.read_out_of_bounds", "2", OpSet::READ => read_oob;
         "mr.write_needs_remote_write", "2", OpSet::WRITE => write_needs_access;
@@ -151,6 +153,51 @@ fn bad_key(ctx: &Ctx) -> CaseResultOf {
         p.a.post_send(&SendWr::write(1, &[l.slice(0..64).ctx("s")?], at))
             .ctx("post")
     })
+}
+
+/// A transmit-complete write with a bad key (`SendFlags::TRANSMIT_COMPLETE`), and a
+/// delivery-complete write behind it: the first's completion may come before the peer
+/// refuses it (iWARP), but the refusal still ends the connection: both ends enter the
+/// error state, the initiator's event names RemoteAccess, the write behind it completes
+/// Flushed (it is not blamed for the refusal), and the target bytes are untouched.
+fn bad_key_transmit_complete(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let local = region(&p.da, 64, Access::empty())?;
+    local.buffer().fill(0, 64, 0x99);
+    let target = region(&p.db, 4096, all_access())?;
+    target.buffer().fill(0, 4096, 0x11);
+    let mut at = target.desc().at(0);
+    at.key ^= 0x5a5a_0001;
+    p.a.post_send(&SendWr::write(1, &[local.all()], at).transmit_complete())
+        .ctx("post")?;
+    p.a.post_send(&SendWr::write(2, &[local.all()], target.desc().at(64)))
+        .ctx("post the write behind it")?;
+    let c = next(&p.cqa, Duration::from_secs(10))?;
+    ensure!(
+        c.context == 1 && c.opcode == Opcode::Write,
+        "expected the refused write's completion first, got {c:?}"
+    );
+    match c.status {
+        Status::Success => note("the transmit-complete write completed before the peer refused it"),
+        Status::Error(ErrorKind::RemoteAccess | ErrorKind::Flushed) => {}
+        other => {
+            return Err(format!(
+                "a transmit-complete write with a bad key completed {other:?}"
+            ))
+        }
+    }
+    expect_err(&p.cqa, 2, ErrorKind::Flushed)?;
+    wait_state(&p.a, EndpointState::Error, Duration::from_secs(10))?;
+    wait_state(&p.b, EndpointState::Error, Duration::from_secs(10))?;
+    match p.a.next_event() {
+        Some(EndpointEvent::Failed(e)) if e.kind() == ErrorKind::RemoteAccess => {}
+        other => return Err(format!("initiator's event after the refusal: {other:?}")),
+    }
+    ensure!(
+        target.buffer().to_vec(0, 4096).iter().all(|&b| b == 0x11),
+        "refused access changed target memory"
+    );
+    Ok(())
 }
 
 fn write_oob(ctx: &Ctx) -> CaseResultOf {

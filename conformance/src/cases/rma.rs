@@ -6,7 +6,9 @@ use fabric::prelude::*;
 
 use super::cases;
 use crate::ensure;
-use crate::harness::{all_access, expect_ok, region, Case, CaseResultOf, Ctx, Ctxt};
+use crate::harness::{
+    all_access, expect_ok, expect_ok_each, region, Case, CaseResultOf, Ctx, Ctxt,
+};
 use crate::peer::pattern;
 
 pub(super) fn cases() -> Vec<Case> {
@@ -15,6 +17,7 @@ pub(super) fn cases() -> Vec<Case> {
         "rma.read", "4", OpSet::READ => read;
         "rma.write_with_immediate", "4", OpSet::WRITE_IMM => write_imm;
         "rma.write_then_send_ordering", "4", OpSet::WRITE | OpSet::SEND => write_then_send;
+        "rma.transmit_complete_ordering", "4", OpSet::WRITE | OpSet::SEND | OpSet::READ => transmit_complete_ordering;
         "rma.read_after_write", "4", OpSet::WRITE | OpSet::READ => read_after_write;
         "rma.fenced_write_after_read", "4", OpSet::WRITE | OpSet::READ => fenced_write_after_read;
         "rma.one_mib_write_and_read", "4", OpSet::WRITE | OpSet::READ => one_mib;
@@ -131,6 +134,55 @@ fn write_then_send(ctx: &Ctx) -> CaseResultOf {
         "send overtook the write posted before it"
     );
     expect_ok(&p.cqa, 3, Opcode::Send)?;
+    Ok(())
+}
+
+/// Transmit-complete writes and sends (`SendFlags::TRANSMIT_COMPLETE`) keep the
+/// contract's ordering: a send after a write is received after the write's data is
+/// visible, and a read after a write returns the written data.
+fn transmit_complete_ordering(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let big = 64 << 10;
+    let src = region(&p.da, big, Access::empty())?;
+    let note = region(&p.da, 8, Access::empty())?;
+    let back = region(&p.da, big, Access::LOCAL_WRITE)?;
+    let dst = region(
+        &p.db,
+        big,
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+    )?;
+    let rq = region(&p.db, 8, Access::LOCAL_WRITE)?;
+    for round in 0..3u64 {
+        let fill = 0x40 | round as u8;
+        src.buffer().fill(0, big, fill);
+        p.b.post_recv(&RecvWr::new(100 + round, &[rq.all()]))
+            .ctx("post_recv")?;
+        p.a.post_send(
+            &SendWr::write(10 + round, &[src.all()], dst.desc().at(0)).transmit_complete(),
+        )
+        .ctx("post write")?;
+        p.a.post_send(&SendWr::send(20 + round, &[note.all()]).transmit_complete())
+            .ctx("post send")?;
+        p.a.post_send(&SendWr::read(30 + round, &[back.all()], dst.desc().at(0)))
+            .ctx("post read")?;
+        expect_ok(&p.cqb, 100 + round, Opcode::Recv)?;
+        ensure!(
+            dst.buffer().to_vec(0, big).iter().all(|&b| b == fill),
+            "round {round}: the send overtook the transmit-complete write posted before it"
+        );
+        expect_ok_each(
+            &p.cqa,
+            &[
+                (10 + round, Opcode::Write),
+                (20 + round, Opcode::Send),
+                (30 + round, Opcode::Read),
+            ],
+        )?;
+        ensure!(
+            back.buffer().to_vec(0, big).iter().all(|&b| b == fill),
+            "round {round}: a read after a transmit-complete write returned other bytes"
+        );
+    }
     Ok(())
 }
 

@@ -424,6 +424,11 @@ struct Ledger {
     closed_locally: bool,
     /// The cause of the queue pair's death was reported (or needs no inference).
     attributed: bool,
+    /// The last transmit-complete request ([`SendFlags::TRANSMIT_COMPLETE`]) posted
+    /// without a delivery read, while no read posted after it has completed: its sequence
+    /// number and opcode. While set, a refusal may have been of that request, which
+    /// completed already, so a death blames no outstanding request.
+    unconfirmed_tc: Option<(u64, Opcode)>,
     /// When the endpoint left `Connected`.
     dead_since: Option<Instant>,
     /// Regions of requests the provider completed itself after the device failed to
@@ -581,6 +586,9 @@ struct Plan {
     wrs: Planned,
     /// The last request is a send's delivery read that may be held back (`counted`).
     deferrable: bool,
+    /// A transmit-complete send or write that would have had a delivery read: nothing
+    /// confirms it (see [`Ledger::unconfirmed_tc`]).
+    unconfirmed: bool,
     user: UserRec,
     holds: Holds,
 }
@@ -795,6 +803,7 @@ impl EpCore {
                     blocked: false,
                     closed_locally: false,
                     attributed: false,
+                    unconfirmed_tc: None,
                     dead_since: None,
                     graveyard: Vec::new(),
                     progress: 0,
@@ -1106,6 +1115,7 @@ impl EpCore {
                         return Ok(Plan {
                             wrs: smallvec![(r, None)],
                             deferrable: false,
+                            unconfirmed: false,
                             user: UserRec {
                                 context: wr.context,
                                 opcode: Opcode::Read,
@@ -1195,6 +1205,7 @@ impl EpCore {
                     return Ok(Plan {
                         wrs: smallvec![w],
                         deferrable: false,
+                        unconfirmed: false,
                         user: UserRec {
                             context: wr.context,
                             opcode: wr.opcode(),
@@ -1216,7 +1227,12 @@ impl EpCore {
             wrs
         };
         let mut deferrable = false;
-        if p.delivery_reads && matches!(wr.op, SendOp::Send { .. } | SendOp::Write { .. }) {
+        let moves = matches!(wr.op, SendOp::Send { .. } | SendOp::Write { .. });
+        // Transmit complete: the device's own completion (iWARP's: TCP has it) is the
+        // request's; no read confirms its delivery.
+        let unconfirmed =
+            p.delivery_reads && moves && wr.flags.contains(SendFlags::TRANSMIT_COMPLETE);
+        if p.delivery_reads && moves && !unconfirmed {
             if let Some(r) = self.delivery_read() {
                 // Fenced behind every earlier read: the previous request's delivery was
                 // confirmed before this one leaves, so when the peer terminates the
@@ -1231,6 +1247,7 @@ impl EpCore {
         Ok(Plan {
             wrs,
             deferrable,
+            unconfirmed,
             user: UserRec {
                 context: wr.context,
                 opcode: wr.opcode(),
@@ -1324,6 +1341,9 @@ impl EpCore {
                 Posted::Cut(e) => Self::note_refused(&mut l, e),
                 Posted::Yes | Posted::Later => {}
             }
+        }
+        if plan.unconfirmed {
+            l.unconfirmed_tc = Some((l.next_seq - 1, plan.user.opcode));
         }
         self.release_pending(&mut l);
         self.note_blocked(&mut l);
@@ -2722,6 +2742,11 @@ impl EpCore {
             } else {
                 let r = l.sq.remove(pos).expect("position is valid");
                 l.hw_sq -= 1;
+                if !failed && r.is_read && l.unconfirmed_tc.is_some_and(|(tc, _)| r.seq > tc) {
+                    // RDMAP answers a Read Request only behind the requests before it:
+                    // the peer took the transmit-complete one too.
+                    l.unconfirmed_tc = None;
+                }
                 if let Some(EmuRec::Amo(a)) = &r.emu {
                     if l.amo_wait == Some(a.seq) {
                         l.amo_wait = None;
@@ -2862,6 +2887,13 @@ impl EpCore {
             return None;
         }
         l.attributed = true;
+        if let Some((_, tc)) = l.unconfirmed_tc {
+            // The refused request may be the transmit-complete one, completed already:
+            // the event says so, and no outstanding request takes the blame.
+            let event = Self::unconfirmed_event("the connection died", tc);
+            self.leave(l, || event);
+            return None;
+        }
         let kind = pdata::inferred_refusal(op);
         self.leave(l, || {
             EndpointEvent::Failed(Error::new(
@@ -2872,6 +2904,18 @@ impl EpCore {
             ))
         });
         Some(kind)
+    }
+
+    /// The failure of a connection that died while a transmit-complete request of
+    /// opcode `tc` was unconfirmed: most likely the peer refused it or one after it.
+    fn unconfirmed_event(how: &str, tc: Opcode) -> EndpointEvent {
+        let kind = pdata::inferred_refusal(tc);
+        EndpointEvent::Failed(Error::new(
+            kind,
+            format!(
+                "{how} without the peer's close mark after a transmit-complete {tc:?} that nothing confirmed: the peer most likely refused it or a request after it ({kind}; the device does not tell which, so outstanding requests complete Flushed)"
+            ),
+        ))
     }
 
     fn push_user(
@@ -3050,6 +3094,12 @@ impl EpCore {
     fn dead_event(&self, l: &Ledger, how: &str) -> EndpointEvent {
         if self.peer_closed() {
             return EndpointEvent::PeerClosed;
+        }
+        if let Some((_, tc)) = l
+            .unconfirmed_tc
+            .filter(|_| !l.attributed && !l.closed_locally)
+        {
+            return Self::unconfirmed_event(how, tc);
         }
         let oldest = l.sq.iter().find_map(|r| r.user.map(|u| u.opcode));
         if let Some(op) = oldest

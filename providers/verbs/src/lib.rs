@@ -225,6 +225,7 @@ pub struct Profile {
     pub credits: bool,
     /// Delivery-complete sends and writes: each is followed by a small RDMA Read of the
     /// peer and completes only when the read returns (iWARP completes them at transmit).
+    /// Requests posted `SendFlags::TRANSMIT_COMPLETE` go without it.
     pub delivery_reads: bool,
     /// Reads whose scatter list is longer than the device's read limit are split into one
     /// read per entry.
