@@ -9,8 +9,8 @@ use fabric::prelude::*;
 use super::cases;
 use crate::ensure;
 use crate::harness::{
-    all_access, expect_err, expect_ok, next, note, region, wait_state, Case, CaseResultOf, Ctx,
-    Ctxt, Pair,
+    all_access, expect_err, expect_ok, expect_ok_each, next, note, region, wait_state, Case,
+    CaseResultOf, Ctx, Ctxt, Pair,
 };
 
 pub(super) fn cases() -> Vec<Case> {
@@ -20,6 +20,7 @@ pub(super) fn cases() -> Vec<Case> {
         "mr.keys_distinct_and_unguessable", "2", OpSet::empty() => keys_unguessable;
         "mr.bad_key", "2", OpSet::WRITE => bad_key;
         "mr.bad_key_transmit_complete", "2", OpSet::WRITE => bad_key_transmit_complete;
+        "mr.bad_key_after_confirmed_transmit_complete", "2", OpSet::WRITE | OpSet::READ => bad_key_after_confirmed;
         "mr.write_out_of_bounds", "2", OpSet::WRITE => write_oob;
         "mr.read_out_of_bounds", "2", OpSet::READ => read_oob;
         "mr.write_needs_remote_write", "2", OpSet::WRITE => write_needs_access;
@@ -159,7 +160,8 @@ fn bad_key(ctx: &Ctx) -> CaseResultOf {
 /// delivery-complete write behind it: the first's completion may come before the peer
 /// refuses it (iWARP), but the refusal still ends the connection: both ends enter the
 /// error state, the initiator's event names RemoteAccess, the write behind it completes
-/// Flushed (it is not blamed for the refusal), and the target bytes are untouched.
+/// Flushed (it is not blamed for the refusal) or, posted after the connection ended, is
+/// refused at post, and the target bytes are untouched.
 fn bad_key_transmit_complete(ctx: &Ctx) -> CaseResultOf {
     let p = ctx.pair()?;
     let local = region(&p.da, 64, Access::empty())?;
@@ -170,8 +172,16 @@ fn bad_key_transmit_complete(ctx: &Ctx) -> CaseResultOf {
     at.key ^= 0x5a5a_0001;
     p.a.post_send(&SendWr::write(1, &[local.all()], at).transmit_complete())
         .ctx("post")?;
-    p.a.post_send(&SendWr::write(2, &[local.all()], target.desc().at(64)))
-        .ctx("post the write behind it")?;
+    // The refusal may have ended the connection already (the first write's completion
+    // does not wait for the peer): then the post itself is refused.
+    let behind = match p
+        .a
+        .post_send(&SendWr::write(2, &[local.all()], target.desc().at(64)))
+    {
+        Ok(()) => true,
+        Err(e) if e.kind() == ErrorKind::InvalidState => false,
+        Err(e) => return Err(format!("post the write behind it: {e}")),
+    };
     let c = next(&p.cqa, Duration::from_secs(10))?;
     ensure!(
         c.context == 1 && c.opcode == Opcode::Write,
@@ -186,7 +196,9 @@ fn bad_key_transmit_complete(ctx: &Ctx) -> CaseResultOf {
             ))
         }
     }
-    expect_err(&p.cqa, 2, ErrorKind::Flushed)?;
+    if behind {
+        expect_err(&p.cqa, 2, ErrorKind::Flushed)?;
+    }
     wait_state(&p.a, EndpointState::Error, Duration::from_secs(10))?;
     wait_state(&p.b, EndpointState::Error, Duration::from_secs(10))?;
     match p.a.next_event() {
@@ -198,6 +210,27 @@ fn bad_key_transmit_complete(ctx: &Ctx) -> CaseResultOf {
         "refused access changed target memory"
     );
     Ok(())
+}
+
+/// A transmit-complete write that a later read confirmed, then a write with a bad key:
+/// the refusal is the bad write's, which completes RemoteAccess as in `mr.bad_key` (once a
+/// read has confirmed a transmit-complete request, it no longer stands in the way of
+/// naming the refused one).
+fn bad_key_after_confirmed(ctx: &Ctx) -> CaseResultOf {
+    remote_access_error(ctx, all_access(), |p, l, t| {
+        // The target's own bytes, so that the check of untouched memory still holds.
+        let same = region(&p.da, 64, Access::LOCAL_WRITE)?;
+        same.buffer().fill(0, 64, 0x11);
+        p.a.post_send(&SendWr::write(3, &[same.all()], t.desc().at(0)).transmit_complete())
+            .ctx("post the transmit-complete write")?;
+        p.a.post_send(&SendWr::read(4, &[same.all()], t.desc().at(64)))
+            .ctx("post the read behind it")?;
+        expect_ok_each(&p.cqa, &[(3, Opcode::Write), (4, Opcode::Read)])?;
+        let mut at = t.desc().at(0);
+        at.key ^= 0x5a5a_0001;
+        p.a.post_send(&SendWr::write(1, &[l.slice(0..64).ctx("s")?], at))
+            .ctx("post")
+    })
 }
 
 fn write_oob(ctx: &Ctx) -> CaseResultOf {

@@ -29,6 +29,12 @@
 //!   at most one of them is unconfirmed at a time: throughput costs a round trip per send
 //!   or write, and when the peer terminates the connection the first unconfirmed request
 //!   is the one it refused.
+//! * **Transmit complete on request**: a send or write posted
+//!   `SendFlags::TRANSMIT_COMPLETE` (libfabric's `FI_TRANSMIT_COMPLETE`) goes without its
+//!   read and unfenced; siw's completion (TCP has the data) is the application's. Until a
+//!   read posted after it completes, the provider cannot tell whether the peer refused it,
+//!   so a connection that dies meanwhile blames no request: the endpoint's `Failed` event
+//!   says what happened, the requests outstanding complete `Flushed` (contract section 4).
 //! * **Sends confirmed by the peer's count** (both ends of this provider: the
 //!   `FLAG_RECEIVED` bit of the emulation trailer): a credit update also carries the count
 //!   of receives the peer completed, packed into the same word (`pdata::CreditWord`). A
