@@ -7,7 +7,7 @@ use fabric::prelude::*;
 use super::cases;
 use crate::ensure;
 use crate::harness::{
-    all_access, expect_ok, expect_ok_each, region, Case, CaseResultOf, Ctx, Ctxt,
+    all_access, expect_ok, expect_ok_each, next, region, Case, CaseResultOf, Ctx, Ctxt,
 };
 use crate::peer::pattern;
 
@@ -183,6 +183,22 @@ fn transmit_complete_ordering(ctx: &Ctx) -> CaseResultOf {
             "round {round}: a read after a transmit-complete write returned other bytes"
         );
     }
+    // Completions stay in post order: a transmit-complete write behind a long read
+    // completes after it (on iWARP the device would complete the write at transmit).
+    let far = region(&p.db, 1 << 20, Access::REMOTE_READ)?;
+    let near = region(&p.da, 1 << 20, Access::LOCAL_WRITE)?;
+    p.a.post_send(&SendWr::read(40, &[near.all()], far.desc().at(0)))
+        .ctx("post the long read")?;
+    p.a.post_send(&SendWr::write(41, &[note.all()], dst.desc().at(0)).transmit_complete())
+        .ctx("post the write behind it")?;
+    let first = next(&p.cqa, Duration::from_secs(10))?;
+    let second = next(&p.cqa, Duration::from_secs(10))?;
+    ensure!(
+        (first.context, first.opcode, first.status) == (40, Opcode::Read, Status::Success)
+            && (second.context, second.opcode, second.status)
+                == (41, Opcode::Write, Status::Success),
+        "completions out of post order or failed: {first:?}, then {second:?}"
+    );
     Ok(())
 }
 

@@ -35,6 +35,10 @@
 //!   read posted after it completes, the provider cannot tell whether the peer refused it,
 //!   so a connection that dies meanwhile blames no request: the endpoint's `Failed` event
 //!   says what happened, the requests outstanding complete `Flushed` (contract section 4).
+//!   Its memory is free at its completion, as any request's: every hardware request is
+//!   posted signaled, and siw copies a signaled request's payload into the socket (it
+//!   sends straight from the application's pages only for unsignaled requests of a page or
+//!   more, where TCP may still need them after the completion: `siw_qp_tx.c`).
 //! * **Sends confirmed by the peer's count** (both ends of this provider: the
 //!   `FLAG_RECEIVED` bit of the emulation trailer): a credit update also carries the count
 //!   of receives the peer completed, packed into the same word (`pdata::CreditWord`). A

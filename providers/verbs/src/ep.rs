@@ -586,9 +586,13 @@ struct Plan {
     wrs: Planned,
     /// The last request is a send's delivery read that may be held back (`counted`).
     deferrable: bool,
-    /// A transmit-complete send or write that would have had a delivery read: nothing
-    /// confirms it (see [`Ledger::unconfirmed_tc`]).
-    unconfirmed: bool,
+    /// A transmit-complete send or write ([`SendFlags::TRANSMIT_COMPLETE`]) whose last
+    /// request is its delivery read: [`EpCore::post_send`] drops the read unless a read
+    /// that carries an earlier request's completion is outstanding (the device would
+    /// complete this request first: completions stay in post order).
+    transmit: bool,
+    /// The application's own fence flag (the delivery read fences the first request).
+    fence: bool,
     user: UserRec,
     holds: Holds,
 }
@@ -1115,7 +1119,8 @@ impl EpCore {
                         return Ok(Plan {
                             wrs: smallvec![(r, None)],
                             deferrable: false,
-                            unconfirmed: false,
+                            transmit: false,
+                            fence,
                             user: UserRec {
                                 context: wr.context,
                                 opcode: Opcode::Read,
@@ -1205,7 +1210,8 @@ impl EpCore {
                     return Ok(Plan {
                         wrs: smallvec![w],
                         deferrable: false,
-                        unconfirmed: false,
+                        transmit: false,
+                        fence,
                         user: UserRec {
                             context: wr.context,
                             opcode: wr.opcode(),
@@ -1227,13 +1233,11 @@ impl EpCore {
             wrs
         };
         let mut deferrable = false;
-        let moves = matches!(wr.op, SendOp::Send { .. } | SendOp::Write { .. });
-        // Transmit complete: the device's own completion (iWARP's: TCP has it) is the
-        // request's; no read confirms its delivery.
-        let unconfirmed =
-            p.delivery_reads && moves && wr.flags.contains(SendFlags::TRANSMIT_COMPLETE);
-        if p.delivery_reads && moves && !unconfirmed {
+        let mut transmit = false;
+        if p.delivery_reads && matches!(wr.op, SendOp::Send { .. } | SendOp::Write { .. }) {
             if let Some(r) = self.delivery_read() {
+                // Transmit complete: the read may go (decided under the ledger's lock).
+                transmit = wr.flags.contains(SendFlags::TRANSMIT_COMPLETE);
                 // Fenced behind every earlier read: the previous request's delivery was
                 // confirmed before this one leaves, so when the peer terminates the
                 // connection the first unconfirmed request is the one it refused.
@@ -1247,7 +1251,8 @@ impl EpCore {
         Ok(Plan {
             wrs,
             deferrable,
-            unconfirmed,
+            transmit,
+            fence,
             user: UserRec {
                 context: wr.context,
                 opcode: wr.opcode(),
@@ -1266,16 +1271,27 @@ impl EpCore {
                 return r;
             }
         }
-        let plan = self.plan(wr)?;
+        let mut plan = self.plan(wr)?;
         {
             let l = self.lock();
             if l.status != EndpointState::Connected || l.torn_down {
                 return Err(invalid_state(l.status));
             }
         }
-        let internal = plan.wrs.len() - 1;
+        let mut internal = plan.wrs.len() - 1;
         self.send_cq.reserve(internal)?;
         let mut l = self.lock();
+        // A transmit-complete request goes without its delivery read unless a read that
+        // carries an earlier request's completion is outstanding: the device completes
+        // this one at transmit, and it must not complete before that earlier request.
+        let unconfirmed = plan.transmit && !l.sq.iter().any(|r| r.is_read && r.user.is_some());
+        if unconfirmed {
+            plan.wrs.pop();
+            plan.wrs[0].0.fence = plan.fence;
+            plan.deferrable = false;
+            self.send_cq.release_internal(1);
+            internal -= 1;
+        }
         let undo = |cq: &CqInner| {
             cq.release(1);
             cq.release_internal(internal);
@@ -1342,7 +1358,7 @@ impl EpCore {
                 Posted::Yes | Posted::Later => {}
             }
         }
-        if plan.unconfirmed {
+        if unconfirmed {
             l.unconfirmed_tc = Some((l.next_seq - 1, plan.user.opcode));
         }
         self.release_pending(&mut l);
