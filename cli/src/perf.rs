@@ -5,6 +5,7 @@
 //! fabric perf pingpong|bw|lat --op send|write|write_imm|read|fetch_add|compare_swap|tagged
 //!             [--size N | --sizes 8,64,1K,64K,1M] [--iters N] [--provider P]
 //!             [--role server --listen ADDR | --role client --connect ADDR] [--format text|json]
+//!             [--completion delivery|transmit]
 //! ```
 //!
 //! With no role the command runs both sides on loopback as two processes: it starts itself
