@@ -140,6 +140,11 @@ fn remote_access_error(
     wait_state(&p.a, EndpointState::Error, Duration::from_secs(5))?;
     wait_state(&p.b, EndpointState::Error, Duration::from_secs(5))?;
     expect_err(&p.cqb, 70, ErrorKind::Flushed)?;
+    untouched(&target)
+}
+
+/// The 4 KiB target of a refused access still holds its 0x11 fill.
+fn untouched(target: &MemoryRegion) -> CaseResultOf {
     ensure!(
         target.buffer().to_vec(0, 4096).iter().all(|&b| b == 0x11),
         "refused access changed target memory"
@@ -205,11 +210,7 @@ fn bad_key_transmit_complete(ctx: &Ctx) -> CaseResultOf {
         Some(EndpointEvent::Failed(e)) if e.kind() == ErrorKind::RemoteAccess => {}
         other => return Err(format!("initiator's event after the refusal: {other:?}")),
     }
-    ensure!(
-        target.buffer().to_vec(0, 4096).iter().all(|&b| b == 0x11),
-        "refused access changed target memory"
-    );
-    Ok(())
+    untouched(&target)
 }
 
 /// A transmit-complete write that a later read confirmed, then a write with a bad key:
