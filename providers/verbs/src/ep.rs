@@ -590,9 +590,9 @@ struct Plan {
     /// request is its delivery read: [`EpCore::post_send`] drops the read unless a read
     /// that carries an earlier request's completion is outstanding (the device would
     /// complete this request first: completions stay in post order).
+    /// Its first request is not yet fenced behind earlier reads: `post_send` fences it
+    /// when it keeps the read.
     transmit: bool,
-    /// The application's own fence flag (the delivery read fences the first request).
-    fence: bool,
     user: UserRec,
     holds: Holds,
 }
@@ -1120,7 +1120,6 @@ impl EpCore {
                             wrs: smallvec![(r, None)],
                             deferrable: false,
                             transmit: false,
-                            fence,
                             user: UserRec {
                                 context: wr.context,
                                 opcode: Opcode::Read,
@@ -1211,7 +1210,6 @@ impl EpCore {
                         wrs: smallvec![w],
                         deferrable: false,
                         transmit: false,
-                        fence,
                         user: UserRec {
                             context: wr.context,
                             opcode: wr.opcode(),
@@ -1241,7 +1239,7 @@ impl EpCore {
                 // Fenced behind every earlier read: the previous request's delivery was
                 // confirmed before this one leaves, so when the peer terminates the
                 // connection the first unconfirmed request is the one it refused.
-                wrs[0].0.fence = true;
+                wrs[0].0.fence |= !transmit;
                 wrs.push((r, None));
                 // A send consumes one of the peer's receives, which the peer's count of
                 // completed receives confirms; a write it never sees.
@@ -1252,7 +1250,6 @@ impl EpCore {
             wrs,
             deferrable,
             transmit,
-            fence,
             user: UserRec {
                 context: wr.context,
                 opcode: wr.opcode(),
@@ -1287,10 +1284,12 @@ impl EpCore {
         let unconfirmed = plan.transmit && !l.sq.iter().any(|r| r.is_read && r.user.is_some());
         if unconfirmed {
             plan.wrs.pop();
-            plan.wrs[0].0.fence = plan.fence;
             plan.deferrable = false;
             self.send_cq.release_internal(1);
             internal -= 1;
+        } else if plan.transmit {
+            // The read stays: fenced as in `plan`.
+            plan.wrs[0].0.fence = true;
         }
         let undo = |cq: &CqInner| {
             cq.release(1);
