@@ -444,6 +444,20 @@ fn refusals<F: Flavor>(d: &VerbsDomain<F>, ip: IpAddr, ccq: &VerbsCq<F>, scq: &V
         c.post_send(&write(43)).unwrap();
         let x = next(ccq);
         assert_eq!((x.context, x.status), (43, Status::Success), "{x:?}");
+
+        // Transmit complete: the write goes without its delivery read, a chain of one
+        // request that a refusal of a chain's second request never reaches.
+        let before = fault::refused();
+        fault::refuse_posts(1, EINVAL, 1);
+        c.post_send(&write(44).transmit_complete()).unwrap();
+        let refused = fault::refused() - before;
+        fault::stop();
+        assert_eq!(
+            refused, 0,
+            "a transmit-complete write left with a request behind it"
+        );
+        let x = next(ccq);
+        assert_eq!((x.context, x.status), (44, Status::Success), "{x:?}");
     }
     drop((c, s));
 
