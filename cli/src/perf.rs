@@ -94,13 +94,13 @@ pub(crate) struct PerfArgs {
     /// (the contract's default), or `transmit`, it has left for the peer
     /// (`SendFlags::TRANSMIT_COMPLETE`, libfabric's FI_TRANSMIT_COMPLETE; what perftest
     /// measures on iWARP). Both sides use it. It changes the cost only on iWARP.
-    #[arg(long, value_enum, default_value_t = Completion::Delivery)]
-    completion: Completion,
+    #[arg(long, value_enum, default_value_t = CompletionLevel::Delivery)]
+    completion: CompletionLevel,
 }
 
 /// The completion level of the data sends and writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub(crate) enum Completion {
+pub(crate) enum CompletionLevel {
     /// Complete when the data is at the target.
     Delivery,
     /// Complete when the request has left (`SendFlags::TRANSMIT_COMPLETE`).
@@ -448,7 +448,7 @@ impl Plan {
             phases,
             window: a.window,
             mode,
-            transmit: a.completion == Completion::Transmit,
+            transmit: a.completion == CompletionLevel::Transmit,
         })
     }
 
