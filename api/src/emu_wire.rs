@@ -91,6 +91,13 @@ pub const FLAG_IMMEDIATE: u8 = 2;
 /// the peer's sends are then confirmed by the count, without a delivery read, whenever the
 /// count arrives before anything else needs them confirmed.
 pub const FLAG_RECEIVED: u8 = 4;
+/// Trailer flag (with [`FLAG_RECEIVED`]): this side batches its credit updates while the
+/// peer's word at [`MODE_OFF`] of its area reads [`MODE_LAZY`], and writes that word of
+/// the peer's area to say whether its own sends need the peer's count. A credit update
+/// per receive posted is what confirms a delivery-complete send; a transmit-complete one
+/// needs none, so while the sender posts only those, the receiver writes an update only
+/// when the sender may run short of credit. Only when both sides offer it.
+pub const FLAG_LAZY_CREDITS: u8 = 8;
 
 /// Offset of the atomic request slot in the area.
 pub const REQ_OFF: usize = 0;
@@ -100,8 +107,14 @@ pub const REQ_LEN: usize = 56;
 pub const REPLY_OFF: usize = 64;
 /// Size of an atomic reply (four words).
 pub const REPLY_LEN: usize = 32;
+/// Offset of the mode word ([`FLAG_LAZY_CREDITS`]): written by the peer, [`MODE_LAZY`]
+/// while its sends need no confirmation by our count, anything else while they do.
+pub const MODE_OFF: usize = 96;
+/// The mode word's value that lets the area's owner batch its credit updates.
+pub const MODE_LAZY: u64 = 1;
 /// Offset of the immediate-data ring.
 pub const IMM_OFF: usize = 128;
+const _: () = assert!(REPLY_OFF + REPLY_LEN <= MODE_OFF && MODE_OFF + 8 <= IMM_OFF);
 /// Size of an immediate-data slot (three words).
 pub const IMM_SLOT: usize = 24;
 /// Most immediate-data slots a peer may announce (the largest receive queue of any device
@@ -121,7 +134,8 @@ pub const IMM_WRITE: u32 = 2;
 /// The extension trailer: what a peer offers and where its emulation area is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExtDesc {
-    /// [`FLAG_ATOMICS`] | [`FLAG_IMMEDIATE`], and [`FLAG_RECEIVED`] where offered.
+    /// [`FLAG_ATOMICS`] | [`FLAG_IMMEDIATE`], and [`FLAG_RECEIVED`] and
+    /// [`FLAG_LAZY_CREDITS`] where offered.
     pub flags: u8,
     /// Immediate-data slots in the area.
     pub imm_slots: u32,
@@ -152,7 +166,7 @@ impl ExtDesc {
             return None;
         }
         let d = ExtDesc {
-            flags: b[2] & (FLAG_ATOMICS | FLAG_IMMEDIATE | FLAG_RECEIVED),
+            flags: b[2] & (FLAG_ATOMICS | FLAG_IMMEDIATE | FLAG_RECEIVED | FLAG_LAZY_CREDITS),
             imm_slots: u32::from_be_bytes(b[4..8].try_into().ok()?),
             addr: u64::from_be_bytes(b[8..16].try_into().ok()?),
             stag: u32::from_be_bytes(b[16..20].try_into().ok()?),
@@ -473,7 +487,7 @@ mod tests {
         unknown[2] = 0xff;
         assert_eq!(
             ExtDesc::decode(&unknown).unwrap().flags,
-            FLAG_ATOMICS | FLAG_IMMEDIATE | FLAG_RECEIVED,
+            FLAG_ATOMICS | FLAG_IMMEDIATE | FLAG_RECEIVED | FLAG_LAZY_CREDITS,
             "unknown flags are ignored"
         );
     }

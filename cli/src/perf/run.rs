@@ -39,6 +39,11 @@ const IDLE: Duration = Duration::from_secs(1800);
 const PINGPONG_SIGNAL: u64 = 32;
 /// Memory the server may register for receive buffers of send tests.
 const RECV_POOL_BYTES: u64 = 64 << 20;
+/// Receives each side of a send ping-pong keeps posted (at most; the server's pool also
+/// stops at `RECV_POOL_BYTES`), as perftest's `ib_send_lat` keeps up to 512: a receiver
+/// that always has receives posted ahead lets a provider batch its credit updates
+/// (iwarp: `emu_wire::FLAG_LAZY_CREDITS`).
+const ECHO_RECVS: u64 = 64;
 
 const _: () = assert!(24 + RemoteDesc::ENCODED_LEN <= CTRL_LEN);
 
@@ -154,7 +159,10 @@ fn signal(ctx: u64) -> bool {
 fn server_recvs(op: Op, max_size: u64, window: u64) -> (u64, u64) {
     if op.consumes_recv() {
         let slot = max_size.max(CTRL_LEN as u64);
-        ((RECV_POOL_BYTES / slot).clamp(4, window.max(4)), slot)
+        (
+            (RECV_POOL_BYTES / slot).clamp(4, window.max(ECHO_RECVS)),
+            slot,
+        )
     } else {
         (4, CTRL_LEN as u64)
     }
@@ -583,6 +591,7 @@ pub(crate) fn client(
         ctx: 0,
         marker_seq: 0,
         phase_left: 0,
+        echo_posted: 0,
         cas_compare: 0,
     };
     let mut rows = Vec::new();
@@ -658,10 +667,15 @@ pub(crate) fn client(
                     result: &result,
                 };
                 if plan.op.consumes_recv() {
-                    // The first echo's receive; each iteration posts the next one.
-                    st.ep
-                        .post_recv(&RecvWr::new(0, &echo_sgl))
-                        .map_err(e("post_recv"))?;
+                    // The first echoes' receives; each iteration posts one more while
+                    // the phase has echoes left that none is posted for.
+                    let k = ECHO_RECVS.min(st.phase_left);
+                    for _ in 0..k {
+                        st.ep
+                            .post_recv(&RecvWr::new(0, &echo_sgl))
+                            .map_err(e("post_recv"))?;
+                    }
+                    st.echo_posted = k;
                 }
                 st.pingpong(&io, ph.warmup, false, &wr, bar)?;
                 let t = Instant::now();
@@ -742,6 +756,8 @@ struct State<'a> {
     phase_left: u64,
     /// The value the next compare-and-swap expects.
     cas_compare: u64,
+    /// Echo receives posted and not yet filled (send and write-with-immediate ping-pongs).
+    echo_posted: u64,
 }
 
 impl State<'_> {
@@ -797,10 +813,11 @@ impl State<'_> {
                     let w = wr(ctx, signal(ctx) || self.phase_left == 0, 0);
                     self.r.post(|| ep.post_send(&w))?;
                     self.r.next_recv(mode, STALL)?;
-                    // The next echo's receive, unless this was the phase's last.
-                    if self.phase_left > 0 {
+                    self.echo_posted -= 1;
+                    if self.echo_posted < self.phase_left {
                         ep.post_recv(&RecvWr::new(0, io.echo))
                             .map_err(e("post_recv"))?;
+                        self.echo_posted += 1;
                     }
                 }
                 Op::Write => {

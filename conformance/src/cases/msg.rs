@@ -29,6 +29,7 @@ pub(super) fn cases() -> Vec<Case> {
         "msg.more_posts_leave_in_order", "3", OpSet::SEND | OpSet::WRITE => more_posts;
         "msg.both_directions_at_once", "3", OpSet::SEND | OpSet::RNR_WAIT => both_directions;
         "msg.send_completes_while_receiver_never_polls", "3", OpSet::SEND => receiver_never_polls;
+        "msg.transmit_complete_sends_fill_posted_receives", "3", OpSet::SEND => transmit_complete_sends;
     }
 }
 
@@ -166,6 +167,81 @@ fn receiver_never_polls(ctx: &Ctx) -> CaseResultOf {
         ensure!(r.byte_len == 8, "receive {i}: {} bytes", r.byte_len);
         let got = dst.buffer().to_vec(i as usize * 64, 8);
         ensure!(got == b"unpolled", "receive {i} holds {got:?}");
+    }
+    Ok(())
+}
+
+/// Transmit-complete sends need no confirmation of delivery, so a provider may tell its
+/// sender of posted receives less often (iwarp batches its credit updates then). Every
+/// receive posted must still be filled:
+/// - 100 receives posted at once and none after (a batched count stops short of 100 when
+///   they are posted), 100 transmit-complete sends: all arrive, in order;
+/// - then sends alternating between transmit and delivery complete in an irregular
+///   pattern, each receive reposted as it completes: each arrives in order, and a
+///   delivery-complete send completes only once its message is in the receive buffer.
+fn transmit_complete_sends(ctx: &Ctx) -> CaseResultOf {
+    const N: usize = 100;
+    const LEN: usize = 16;
+    let p = ctx.pair()?;
+    let src = region(&p.da, N * LEN, Access::empty())?;
+    let dst = region(&p.db, N * LEN, Access::LOCAL_WRITE)?;
+    for i in 0..N {
+        src.buffer().fill(i * LEN, LEN, i as u8);
+    }
+    post_slots(&p.b, &dst, 1000, N, LEN)?;
+    for i in 0..N {
+        let at = i * LEN;
+        p.a.post_send(
+            &SendWr::send(i as u64, &[src.slice(at..at + LEN).ctx("slice")?]).transmit_complete(),
+        )
+        .ctx("post_send")?;
+    }
+    for i in 0..N as u64 {
+        expect_ok(&p.cqa, i, Opcode::Send)?;
+    }
+    for i in 0..N {
+        let r = expect_ok(&p.cqb, 1000 + i as u64, Opcode::Recv)?;
+        ensure!(
+            r.byte_len == LEN as u64,
+            "receive {i}: {} bytes",
+            r.byte_len
+        );
+        let got = dst.buffer().to_vec(i * LEN, LEN);
+        ensure!(
+            got.iter().all(|&b| b == i as u8),
+            "receive {i} holds {got:?}"
+        );
+    }
+    // Irregular: transmit complete where bit (i * 7) % 5 of 0b10110 is set.
+    let slot = dst.slice(0..LEN).ctx("slice")?;
+    p.b.post_recv(&RecvWr::new(2000, std::slice::from_ref(&slot)))
+        .ctx("post_recv")?;
+    for i in 0..40u64 {
+        let tc = 0b10110u64 >> ((i * 7) % 5) & 1 == 1;
+        let at = (i as usize % N) * LEN;
+        let piece = [src.slice(at..at + LEN).ctx("slice")?];
+        let wr = SendWr::send(100 + i, &piece);
+        p.a.post_send(&if tc { wr.transmit_complete() } else { wr })
+            .ctx("post_send")?;
+        if !tc {
+            expect_ok(&p.cqa, 100 + i, Opcode::Send)?;
+            let got = dst.buffer().to_vec(0, LEN);
+            ensure!(
+                got.iter().all(|&b| b == (i as usize % N) as u8),
+                "delivery-complete send {i} completed before its message was in the receive buffer ({got:?})"
+            );
+        }
+        expect_ok(&p.cqb, 2000 + i, Opcode::Recv)?;
+        let got = dst.buffer().to_vec(0, LEN);
+        ensure!(
+            got.iter().all(|&b| b == (i as usize % N) as u8),
+            "receive {i} holds {got:?}"
+        );
+        p.b.post_recv(&RecvWr::new(2001 + i, std::slice::from_ref(&slot)))
+            .ctx("post_recv")?;
+        if tc {
+            expect_ok(&p.cqa, 100 + i, Opcode::Send)?;
+        }
     }
     Ok(())
 }

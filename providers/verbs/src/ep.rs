@@ -267,7 +267,10 @@ impl EmuLink {
     /// Our area's trailer for the private data.
     pub fn desc((buf, mr, slots): &(Arc<Buffer>, Mr, u32)) -> ExtDesc {
         ExtDesc {
-            flags: emu::FLAG_ATOMICS | emu::FLAG_IMMEDIATE | emu::FLAG_RECEIVED,
+            flags: emu::FLAG_ATOMICS
+                | emu::FLAG_IMMEDIATE
+                | emu::FLAG_RECEIVED
+                | emu::FLAG_LAZY_CREDITS,
             imm_slots: *slots,
             addr: buf.addr(),
             stag: mr.rkey(),
@@ -418,6 +421,12 @@ struct Ledger {
     sends_hw: u64,
     /// A credit update is owed to the peer.
     credit_dirty: bool,
+    /// Our count of receives posted as our last credit update wrote it (the peer may
+    /// send this many in all).
+    advertised: u64,
+    /// What we last wrote into the peer's mode word (`emu_wire::MODE_OFF`): true when it
+    /// says our sends need no confirmation (connections that batch credit updates).
+    told_lazy: bool,
     /// Registered with the domain's RNR thread.
     blocked: bool,
     /// Closed by us (not by the peer, not by an error).
@@ -475,6 +484,18 @@ struct Ledger {
     refused: Option<(Instant, Error)>,
 }
 
+/// Whether a batched credit update is due (connections that batch them, while the peer's
+/// sends need no confirmation): we have posted receives the peer was not told of, and what
+/// it may still send (`advertised`, our last update's count of receives posted, less the
+/// `done` it filled) is at most half of what we hold posted and unfilled. Looked at when a
+/// receive is posted and when one completes, so the peer is never left without credit
+/// while we hold receives for it: once it has filled all it was told of, an update is due
+/// at once. With one receive posted at a time that is every receive, as without batching;
+/// with a window of `w`, one update per `w / 2` receives.
+fn credit_due(advertised: u64, posted: u64, done: u64) -> bool {
+    posted > advertised && advertised.saturating_sub(done) * 2 <= posted.saturating_sub(done)
+}
+
 /// A send's delivery read held back (see [`EpCore::resolve_deferred`]).
 #[derive(Debug, Clone, Copy)]
 struct Deferred {
@@ -525,6 +546,11 @@ pub(crate) struct EpCore {
     /// completed-receive count, and a send's delivery read is held back in the hope that
     /// the count confirms the send first ([`EpCore::resolve_deferred`]).
     counted: bool,
+    /// Both sides batch credit updates (`emu_wire::FLAG_LAZY_CREDITS`; connections that
+    /// count deliveries): while the peer's mode word says its sends need no confirmation,
+    /// our updates go only as [`credit_due`] says, and we keep the peer's mode word
+    /// telling it what ours need ([`EpCore::tell_mode`]).
+    lazy: bool,
     /// This endpoint, for lists that must not keep it alive.
     me: std::sync::Weak<EpCore>,
     /// The peer is not of this framework at all (its private data has no frame): a
@@ -767,6 +793,10 @@ impl EpCore {
             && p.emu
                 .as_ref()
                 .is_some_and(|e| e.peer.flags & emu::FLAG_RECEIVED != 0);
+        let lazy = counted
+            && p.emu
+                .as_ref()
+                .is_some_and(|e| e.peer.flags & emu::FLAG_LAZY_CREDITS != 0);
         let core = Arc::new_cyclic(|me| EpCore {
             id: p.id,
             qpn,
@@ -783,6 +813,7 @@ impl EpCore {
             sink: p.sink,
             emu: p.emu,
             counted,
+            lazy,
             me: me.clone(),
             foreign: p.foreign,
             early: p.early,
@@ -819,6 +850,8 @@ impl EpCore {
                     amo_wait: None,
                     amo_served: 0,
                     recvs_done: 0,
+                    advertised: 0,
+                    told_lazy: false,
                     deferred: None,
                     watched: false,
                     kill_after: None,
@@ -1305,6 +1338,12 @@ impl EpCore {
                 ErrorKind::QueueFull,
                 format!("send queue of depth {} is full", self.sq_depth),
             ));
+        }
+        if let SendOp::Send { .. } | SendOp::Write { imm: Some(_), .. } = wr.op {
+            // It fills one of the peer's receives: the peer batches its credit updates
+            // only while none of ours waits for its count (a delivery read held back in
+            // the hope of the count; a transmit-complete send that keeps its read too).
+            self.tell_mode(&mut l, !plan.deferrable);
         }
         let n = plan.wrs.len();
         let mut holds = Some(plan.holds);
@@ -2471,16 +2510,51 @@ impl EpCore {
         });
         if self.credit.is_some() {
             l.recvs_posted += 1;
-            l.credit_dirty = true;
-            if credit_slot {
+            if !self.batching() || credit_due(l.advertised, l.recvs_posted, l.recvs_done) {
+                l.credit_dirty = true;
+            }
+            if credit_slot && l.credit_dirty {
                 let v = self.credit_word(&l);
                 if !self.post_credit(&mut l, credit::POSTED, v) {
                     self.send_cq.release_internal(1);
                 }
+            } else if credit_slot {
+                self.send_cq.release_internal(1);
             }
             self.note_blocked(&mut l);
         }
         Ok(())
+    }
+
+    /// Whether our credit updates are batched now: the connection batches them
+    /// ([`lazy`](Self::lazy)) and the peer's mode word says its sends need no
+    /// confirmation. Otherwise every receive posted writes one (each confirms the
+    /// peer's sends by our count of receives completed).
+    fn batching(&self) -> bool {
+        self.lazy
+            && self
+                .emu
+                .as_ref()
+                .is_some_and(|e| area_word(&e.buf, emu::MODE_OFF) == emu::MODE_LAZY)
+    }
+
+    /// Tells the peer whether its credit updates may be batched (`lazy`: the request
+    /// about to be posted, which consumes one of its receives, is transmit complete and
+    /// needs no count to confirm it), when that changes: a write of its mode word, posted
+    /// ahead of the request. Without an internal slot or room on the device the mode
+    /// stays as it was: batching is then missed, or a delivery-complete send is
+    /// confirmed by its delivery read instead of the count; nothing else depends on it.
+    fn tell_mode(&self, l: &mut Ledger, lazy: bool) {
+        let Some(e) = &self.emu else { return };
+        if !self.lazy || l.told_lazy == lazy || !self.send_cq.reserve_internal(1) {
+            return;
+        }
+        let value = if lazy { emu::MODE_LAZY } else { 0 };
+        if self.post_area_write(l, (e.peer.addr + emu::MODE_OFF as u64, e.peer.stag), value) {
+            l.told_lazy = lazy;
+        } else {
+            self.send_cq.release_internal(1);
+        }
     }
 
     /// The initiator of a connection with credits speaks first: a credit update (its count
@@ -2575,6 +2649,22 @@ impl EpCore {
     /// ahead of held-back application requests). Needs an internal slot already reserved.
     fn post_credit(&self, l: &mut Ledger, off: usize, value: u64) -> bool {
         let Some(c) = &self.credit else { return false };
+        if !self.post_area_write(l, (c.peer.0 + off as u64, c.peer.1), value) {
+            return false;
+        }
+        if off == credit::POSTED {
+            l.advertised = l.recvs_posted;
+            if value == self.credit_word(l) {
+                l.credit_dirty = false;
+            }
+        }
+        true
+    }
+
+    /// Writes one word of the peer's (at `addr` under `rkey`), inline: an internal
+    /// record posted ahead of held-back application requests. Needs an internal slot
+    /// already reserved.
+    fn post_area_write(&self, l: &mut Ledger, (addr, rkey): (u64, u32), value: u64) -> bool {
         if l.hw_sq >= self.hw_sq_cap {
             return false;
         }
@@ -2583,8 +2673,8 @@ impl EpCore {
         let w = HwWr {
             wr_id: seq,
             op: HwOp::Write {
-                addr: c.peer.0 + off as u64,
-                rkey: c.peer.1,
+                addr,
+                rkey,
                 imm: None,
             },
             sges: Sges::new(),
@@ -2596,13 +2686,10 @@ impl EpCore {
         #[allow(unsafe_code)]
         let r = unsafe { self.id.post_send(std::slice::from_ref(&w)) };
         if let Err((_, e)) = r {
-            tracing::debug!("credit update failed: {e}");
+            tracing::debug!("write of the peer's area failed: {e}");
             return false;
         }
         Self::record_internal(l, seq, false);
-        if off == credit::POSTED && value == self.credit_word(l) {
-            l.credit_dirty = false;
-        }
         true
     }
 
@@ -2708,6 +2795,12 @@ impl EpCore {
             // immediate, if any, is in that slot of our ring (placed before the send).
             let ordinal = l.recvs_done;
             l.recvs_done += 1;
+            if self.batching() && credit_due(l.advertised, l.recvs_posted, l.recvs_done) {
+                // The peer may run short before we post another receive.
+                l.credit_dirty = true;
+                self.send_credit(&mut l);
+                self.note_blocked(&mut l);
+            }
             if let (false, Some(e)) = (failed, &self.emu) {
                 match ImmRec::read(&e.buf, e.slots, ordinal, self.dom.limits.max_msg_size) {
                     Some(rec) if rec.kind == emu::IMM_WRITE && w.byte_len == 0 => {
@@ -3472,6 +3565,92 @@ impl<F: Flavor> Drop for VerbsEndpoint<F> {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    /// A receiver that batches credit updates (`credit_due`, looked at on every receive
+    /// posted and every one filled) and a sender that sends whenever its credit allows;
+    /// updates reach the sender one step after they are written. The receiver posts
+    /// `burst` receives first, then `repost(filled)` more after each receive filled.
+    /// Returns (messages delivered, updates written).
+    fn run_credits(
+        msgs: u64,
+        burst: u64,
+        mut repost: impl FnMut(u64) -> u64,
+        cap: u64,
+    ) -> (u64, u64) {
+        let (mut posted, mut done, mut advertised, mut updates) = (0u64, 0u64, 0u64, 0u64);
+        let (mut seen, mut in_flight, mut sent) = (0u64, None::<u64>, 0u64);
+        let post =
+            |n: u64, posted: &mut u64, advertised: &mut u64, updates: &mut u64, done: u64| {
+                for _ in 0..n {
+                    if *posted - done >= cap {
+                        break;
+                    }
+                    *posted += 1;
+                    if credit_due(*advertised, *posted, done) {
+                        *advertised = *posted;
+                        *updates += 1;
+                    }
+                }
+            };
+        post(burst, &mut posted, &mut advertised, &mut updates, done);
+        for _ in 0..msgs * 4 + 16 {
+            if let Some(a) = in_flight.take() {
+                seen = seen.max(a);
+            }
+            in_flight = Some(advertised);
+            if sent < msgs && sent < seen {
+                sent += 1;
+                // The send lands in the next posted receive.
+                assert!(done < posted, "a send arrived with no receive posted");
+                done += 1;
+                if credit_due(advertised, posted, done) {
+                    advertised = posted;
+                    updates += 1;
+                }
+                let n = repost(done);
+                post(n, &mut posted, &mut advertised, &mut updates, done);
+            }
+        }
+        (done, updates)
+    }
+
+    #[test]
+    fn batched_credit_updates_never_leave_a_sender_without_credit_and_are_few() {
+        // One receive at a time: an update per receive posted (101: the last is reposted
+        // after the 100th message), as without batching.
+        assert_eq!(run_credits(100, 1, |_| 1, 1024), (100, 101));
+        // A window of 64, reposted as filled: one update per 32 receives, after the
+        // ramp (1, 2, 4, ... 64).
+        let (done, updates) = run_credits(3200, 64, |_| 1, 1024);
+        assert_eq!(done, 3200);
+        assert!((100..=110).contains(&updates), "{updates} updates");
+        // 200 posted at once, none reposted: the count stops short of 200 when the
+        // receives are posted (the last update said 128), and the updates due as they
+        // are filled give the sender the rest.
+        assert_eq!(run_credits(500, 200, |_| 0, 1024).0, 200);
+        // Receives posted in odd batches after fills, and a queue limit: every receive
+        // posted is filled.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for cap in [1, 3, 17, 256] {
+            let burst = (x % 40) + 1;
+            let (done, _) = run_credits(
+                5000,
+                burst,
+                |_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x % 3
+                },
+                cap,
+            );
+            assert!(done >= burst.min(cap), "cap {cap}: {done} filled");
+        }
+        // Whatever is posted is filled: 10, then 2 more at every third fill, runs out at
+        // 26 (10 + 2 * (24 / 3) receives, the 27th fill needs one more).
+        let (done, _) = run_credits(1000, 10, |d| if d % 3 == 0 { 2 } else { 0 }, 1024);
+        assert_eq!(done, 26);
+    }
 
     fn wr(op: HwOp, sges: Vec<Sge>) -> Planned {
         smallvec![(
