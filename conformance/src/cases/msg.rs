@@ -104,7 +104,7 @@ fn more_posts(ctx: &Ctx) -> CaseResultOf {
         "the lone MORE send arrived with {} bytes",
         r.byte_len
     );
-    expect_ok(&p.cqa, 99, Opcode::Send)?;
+    expect_ok(&p.cqa, 500, Opcode::Send)?;
     Ok(())
 }
 
@@ -174,8 +174,9 @@ fn receiver_never_polls(ctx: &Ctx) -> CaseResultOf {
 /// Transmit-complete sends need no confirmation of delivery, so a provider may tell its
 /// sender of posted receives less often (iwarp batches its credit updates then). Every
 /// receive posted must still be filled:
-/// - 100 receives posted at once and none after (a batched count stops short of 100 when
-///   they are posted), 100 transmit-complete sends: all arrive, in order;
+/// - one transmit-complete send first (a provider learns from it what the sender needs),
+///   then 100 receives posted at once and none after (a batched count stops short of 100
+///   when they are posted), 100 transmit-complete sends: all arrive, in order;
 /// - then sends alternating between transmit and delivery complete in an irregular
 ///   pattern, each receive reposted as it completes: each arrives in order, and a
 ///   delivery-complete send completes only once its message is in the receive buffer.
@@ -188,6 +189,12 @@ fn transmit_complete_sends(ctx: &Ctx) -> CaseResultOf {
     for i in 0..N {
         src.buffer().fill(i * LEN, LEN, i as u8);
     }
+    p.b.post_recv(&RecvWr::new(999, &[dst.slice(0..LEN).ctx("slice")?]))
+        .ctx("post_recv")?;
+    p.a.post_send(&SendWr::send(500, &[src.slice(0..LEN).ctx("slice")?]).transmit_complete())
+        .ctx("post_send")?;
+    expect_ok(&p.cqb, 999, Opcode::Recv)?;
+    expect_ok(&p.cqa, 500, Opcode::Send)?;
     post_slots(&p.b, &dst, 1000, N, LEN)?;
     for i in 0..N {
         let at = i * LEN;

@@ -52,6 +52,19 @@
 //!   read behind a request delayed the reply by a thread wake-up. Writes keep their read:
 //!   the target's provider never sees a write, so nothing but a read confirms it. The tcp
 //!   provider does not offer the bit; with it, sends keep their reads.
+//! * **Credit updates batched for transmit-complete sends** (both ends of this provider:
+//!   the `FLAG_LAZY_CREDITS` bit of the emulation trailer). On siw every credit update is
+//!   an FPDU of its own and a TCP segment of its own (siw pushes each short FPDU), so one
+//!   update per receive doubles the segments of a request/reply exchange. The sender keeps
+//!   a word of the receiver's emulation area (`emu_wire::MODE_OFF`) saying whether its
+//!   sends wait for the receiver's count: written only when that changes, ahead of the
+//!   send that changes it. While it says they do not (transmit-complete sends), the
+//!   receiver writes an update only when the sender may run short: when what it was told
+//!   it may still send is at most half of the receives posted and unfilled, looked at on
+//!   every receive posted and every one filled (so a sender is never left without credit
+//!   while receives wait for it). With one receive posted at a time that is still one
+//!   update per receive; with a window of 64, one per 32. Delivery-complete sends keep an
+//!   update per receive: it is what confirms them.
 //! * **Fences are the provider's on siw** (`Profile::soft_fence`): a fenced request waits
 //!   in the provider until the reads before it completed and then goes to siw unfenced.
 //!   siw's own fence (Linux 6.1) can stop a connection for good: the fenced request waits
