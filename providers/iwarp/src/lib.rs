@@ -61,10 +61,12 @@
 //!   send that changes it. While it says they do not (transmit-complete sends), the
 //!   receiver writes an update only when the sender may run short: when what it was told
 //!   it may still send is at most half of the receives posted and unfilled, looked at on
-//!   every receive posted and every one filled (so a sender is never left without credit
-//!   while receives wait for it). With one receive posted at a time that is still one
-//!   update per receive; with a window of 64, one per 32. Delivery-complete sends keep an
-//!   update per receive: it is what confirms them.
+//!   every receive posted and every one filled, and by the domain's helper thread once
+//!   nothing was posted or filled for a millisecond (a receiver that stops looking must not
+//!   keep posted receives from a sender that ran out of credit). With one receive posted
+//!   at a time that is still one update per receive; with a window of 64 in a steady
+//!   exchange, one per 32. Delivery-complete sends keep an update per receive: it is what
+//!   confirms them.
 //! * **Fences are the provider's on siw** (`Profile::soft_fence`): a fenced request waits
 //!   in the provider until the reads before it completed and then goes to siw unfenced.
 //!   siw's own fence (Linux 6.1) can stop a connection for good: the fenced request waits

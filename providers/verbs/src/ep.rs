@@ -424,6 +424,9 @@ struct Ledger {
     /// Our count of receives posted as our last credit update wrote it (the peer may
     /// send this many in all).
     advertised: u64,
+    /// When a receive was last posted or completed here (connections that batch credit
+    /// updates: [`EpCore::retry_blocked`] writes an update owed this long without one).
+    recv_activity: Instant,
     /// What we last wrote into the peer's mode word (`emu_wire::MODE_OFF`): true when it
     /// says our sends need no confirmation (connections that batch credit updates).
     told_lazy: bool,
@@ -488,9 +491,9 @@ struct Ledger {
 /// sends need no confirmation): we have posted receives the peer was not told of, and what
 /// it may still send (`advertised`, our last update's count of receives posted, less the
 /// `done` it filled) is at most half of what we hold posted and unfilled. Looked at when a
-/// receive is posted and when one completes, so the peer is never left without credit
-/// while we hold receives for it: once it has filled all it was told of, an update is due
-/// at once. With one receive posted at a time that is every receive, as without batching;
+/// receive is posted and when one completes: once the peer has filled all it was told of,
+/// an update is due at once. (A receiver that does neither for [`DEFER`] has the RNR
+/// thread announce what it holds: [`EpCore::retry_blocked`].) With one receive posted at a time that is every receive, as without batching;
 /// with a window of `w`, one update per `w / 2` receives.
 fn credit_due(advertised: u64, posted: u64, done: u64) -> bool {
     posted > advertised && advertised.saturating_sub(done) * 2 <= posted.saturating_sub(done)
@@ -851,6 +854,7 @@ impl EpCore {
                     amo_served: 0,
                     recvs_done: 0,
                     advertised: 0,
+                    recv_activity: Instant::now(),
                     told_lazy: false,
                     deferred: None,
                     watched: false,
@@ -1851,8 +1855,15 @@ impl EpCore {
         }
     }
 
+    /// Receives posted that no credit update has told the peer of (batched updates): a
+    /// receiver that stops posting and polling would otherwise keep them from a peer that
+    /// ran out of credit, so the RNR thread watches them ([`Self::retry_blocked`]).
+    fn unannounced(&self, l: &Ledger) -> bool {
+        self.lazy && l.recvs_posted > l.advertised
+    }
+
     fn note_blocked(self: &Arc<Self>, l: &mut Ledger) {
-        let want = l.pending > 0 || l.credit_dirty;
+        let want = l.pending > 0 || l.credit_dirty || self.unannounced(l);
         if want && !l.blocked && l.status == EndpointState::Connected {
             l.blocked = true;
             self.dom.rnr.add(Arc::downgrade(self));
@@ -1885,11 +1896,17 @@ impl EpCore {
                 self.end_connection(l);
                 return true; // dead now: looked at again (`flush_stuck`)
             }
+            // Batched updates: receives posted and not announced while nothing was posted
+            // or completed here for `DEFER` are announced now (the peer may be waiting
+            // for them, and this side may not look again).
+            if self.unannounced(&l) && l.recv_activity.elapsed() >= DEFER {
+                l.credit_dirty = true;
+            }
             // Owed credits may wait for internal slots, and requests behind a software
             // fence for a read's completion: reaping the device queue gives both.
             let short = self.send_credit(&mut l) || (self.dom.profile.soft_fence && l.pending > 0);
             if !short || reaped {
-                let still = (l.pending > 0 || l.credit_dirty)
+                let still = (l.pending > 0 || l.credit_dirty || self.unannounced(&l))
                     && l.status == EndpointState::Connected
                     && !l.torn_down;
                 l.blocked = still;
@@ -2510,6 +2527,9 @@ impl EpCore {
         });
         if self.credit.is_some() {
             l.recvs_posted += 1;
+            if self.lazy {
+                l.recv_activity = Instant::now();
+            }
             if !self.batching() || credit_due(l.advertised, l.recvs_posted, l.recvs_done) {
                 l.credit_dirty = true;
             }
@@ -2795,6 +2815,9 @@ impl EpCore {
             // immediate, if any, is in that slot of our ring (placed before the send).
             let ordinal = l.recvs_done;
             l.recvs_done += 1;
+            if self.lazy {
+                l.recv_activity = Instant::now();
+            }
             if self.batching() && credit_due(l.advertised, l.recvs_posted, l.recvs_done) {
                 // The peer may run short before we post another receive.
                 l.credit_dirty = true;
