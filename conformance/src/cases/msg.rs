@@ -104,7 +104,7 @@ fn more_posts(ctx: &Ctx) -> CaseResultOf {
         "the lone MORE send arrived with {} bytes",
         r.byte_len
     );
-    expect_ok(&p.cqa, 500, Opcode::Send)?;
+    expect_ok(&p.cqa, 99, Opcode::Send)?;
     Ok(())
 }
 
