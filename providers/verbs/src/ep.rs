@@ -1862,8 +1862,18 @@ impl EpCore {
         self.lazy && l.recvs_posted > l.advertised
     }
 
+    /// Whether the RNR thread has work here: requests held back (but not a send's
+    /// delivery read held back for the peer's count alone: the send queue's completion
+    /// queue watches that one at every poll and wait, [`EpCore::settle`], and a wake-up of
+    /// the helper thread per send cost the send's latency on the guest's two vCPUs), an
+    /// owed credit update, or receives not announced.
+    fn wants_rnr(&self, l: &Ledger) -> bool {
+        let count_only = l.pending == 1 && l.deferred.is_some_and(|d| !d.released);
+        (l.pending > 0 && !count_only) || l.credit_dirty || self.unannounced(l)
+    }
+
     fn note_blocked(self: &Arc<Self>, l: &mut Ledger) {
-        let want = l.pending > 0 || l.credit_dirty || self.unannounced(l);
+        let want = self.wants_rnr(l);
         if want && !l.blocked && l.status == EndpointState::Connected {
             l.blocked = true;
             self.dom.rnr.add(Arc::downgrade(self));
@@ -1906,7 +1916,7 @@ impl EpCore {
             // fence for a read's completion: reaping the device queue gives both.
             let short = self.send_credit(&mut l) || (self.dom.profile.soft_fence && l.pending > 0);
             if !short || reaped {
-                let still = (l.pending > 0 || l.credit_dirty || self.unannounced(&l))
+                let still = self.wants_rnr(&l)
                     && l.status == EndpointState::Connected
                     && !l.torn_down;
                 l.blocked = still;
