@@ -61,9 +61,10 @@
 //!   send that changes it. While it says they do not (transmit-complete sends), the
 //!   receiver writes an update only when the sender may run short: when what it was told
 //!   it may still send is at most half of the receives posted and unfilled, looked at on
-//!   every receive posted and every one filled, and by the domain's helper thread once
-//!   nothing was posted or filled for a millisecond (a receiver that stops looking must not
-//!   keep posted receives from a sender that ran out of credit). With one receive posted
+//!   every receive posted and every one filled; once nothing was posted or filled for a
+//!   millisecond, the domain's helper thread reaps the receive queue so that the fills are
+//!   looked at (a receiver that stops looking must not keep posted receives from a sender
+//!   that ran out of credit). With one receive posted
 //!   at a time that is still one update per receive; with a window of 64 in a steady
 //!   exchange, one per 32. Delivery-complete sends keep an update per receive: it is what
 //!   confirms them.

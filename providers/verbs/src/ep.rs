@@ -493,7 +493,7 @@ struct Ledger {
 /// `done` it filled) is at most half of what we hold posted and unfilled. Looked at when a
 /// receive is posted and when one completes: once the peer has filled all it was told of,
 /// an update is due at once. (A receiver that does neither for [`DEFER`] has the RNR
-/// thread announce what it holds: [`EpCore::retry_blocked`].) With one receive posted at a time that is every receive, as without batching;
+/// thread reap its receive queue, which looks at the fills: [`EpCore::retry_blocked`].) With one receive posted at a time that is every receive, as without batching;
 /// with a window of `w`, one update per `w / 2` receives.
 fn credit_due(advertised: u64, posted: u64, done: u64) -> bool {
     posted > advertised && advertised.saturating_sub(done) * 2 <= posted.saturating_sub(done)
@@ -1857,7 +1857,8 @@ impl EpCore {
 
     /// Receives posted that no credit update has told the peer of (batched updates): a
     /// receiver that stops posting and polling would otherwise keep them from a peer that
-    /// ran out of credit, so the RNR thread watches them ([`Self::retry_blocked`]).
+    /// ran out of credit, so the RNR thread watches them and reaps the receive queue
+    /// ([`Self::retry_blocked`]).
     fn unannounced(&self, l: &Ledger) -> bool {
         self.lazy && l.recvs_posted > l.advertised
     }
@@ -1890,6 +1891,16 @@ impl EpCore {
     /// self-deadlock: the drain's call into this endpoint waited for the lock its own
     /// thread held.
     pub fn retry_blocked(self: &Arc<Self>) -> bool {
+        // Batched credit updates: when nothing was posted or filled here for `DEFER`
+        // while receives are not announced, the receive queue is reaped. The application
+        // may have stopped looking while the peer, out of credit, waits: the fills found
+        // make an update due (`handle_completion`) exactly when the peer may run short.
+        let l = self.lock();
+        let stale = self.unannounced(&l) && l.recv_activity.elapsed() >= DEFER;
+        drop(l);
+        if stale {
+            self.recv_cq.reap();
+        }
         for reaped in [false, true] {
             let mut l = self.lock();
             if l.status != EndpointState::Connected || l.torn_down {
@@ -1906,19 +1917,12 @@ impl EpCore {
                 self.end_connection(l);
                 return true; // dead now: looked at again (`flush_stuck`)
             }
-            // Batched updates: receives posted and not announced while nothing was posted
-            // or completed here for `DEFER` are announced now (the peer may be waiting
-            // for them, and this side may not look again).
-            if self.unannounced(&l) && l.recv_activity.elapsed() >= DEFER {
-                l.credit_dirty = true;
-            }
             // Owed credits may wait for internal slots, and requests behind a software
             // fence for a read's completion: reaping the device queue gives both.
             let short = self.send_credit(&mut l) || (self.dom.profile.soft_fence && l.pending > 0);
             if !short || reaped {
-                let still = self.wants_rnr(&l)
-                    && l.status == EndpointState::Connected
-                    && !l.torn_down;
+                let still =
+                    self.wants_rnr(&l) && l.status == EndpointState::Connected && !l.torn_down;
                 l.blocked = still;
                 return still;
             }
@@ -2683,6 +2687,8 @@ impl EpCore {
             return false;
         }
         if off == credit::POSTED {
+            #[cfg(debug_assertions)]
+            crate::fault::note_credit_update();
             l.advertised = l.recvs_posted;
             if value == self.credit_word(l) {
                 l.credit_dirty = false;

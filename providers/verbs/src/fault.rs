@@ -93,6 +93,18 @@ pub(crate) fn note_confirmed() {
     CONFIRMED.fetch_add(1, Ordering::SeqCst);
 }
 
+static CREDIT_UPDATES: AtomicUsize = AtomicUsize::new(0);
+
+/// Credit updates (writes of the peer's credit word) posted so far in this process.
+pub fn credit_updates() -> usize {
+    CREDIT_UPDATES.load(Ordering::SeqCst)
+}
+
+/// Counts one credit update posted.
+pub(crate) fn note_credit_update() {
+    CREDIT_UPDATES.fetch_add(1, Ordering::SeqCst);
+}
+
 static PDS: AtomicUsize = AtomicUsize::new(0);
 static PDS_KEPT: AtomicUsize = AtomicUsize::new(0);
 
