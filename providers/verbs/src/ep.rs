@@ -425,7 +425,7 @@ struct Ledger {
     /// send this many in all).
     advertised: u64,
     /// When a receive was last posted or completed here (connections that batch credit
-    /// updates: [`EpCore::retry_blocked`] writes an update owed this long without one).
+    /// updates: [`EpCore::retry_blocked`] reaps the receive queue when this is old).
     recv_activity: Instant,
     /// What we last wrote into the peer's mode word (`emu_wire::MODE_OFF`): true when it
     /// says our sends need no confirmation (connections that batch credit updates).
@@ -493,8 +493,9 @@ struct Ledger {
 /// `done` it filled) is at most half of what we hold posted and unfilled. Looked at when a
 /// receive is posted and when one completes: once the peer has filled all it was told of,
 /// an update is due at once. (A receiver that does neither for [`DEFER`] has the RNR
-/// thread reap its receive queue, which looks at the fills: [`EpCore::retry_blocked`].) With one receive posted at a time that is every receive, as without batching;
-/// with a window of `w`, one update per `w / 2` receives.
+/// thread reap its receive queue, which looks at the fills: [`EpCore::retry_blocked`].)
+/// With one receive posted at a time that is every receive, as without batching; with a
+/// window of `w`, one update per `w / 2` receives.
 fn credit_due(advertised: u64, posted: u64, done: u64) -> bool {
     posted > advertised && advertised.saturating_sub(done) * 2 <= posted.saturating_sub(done)
 }
@@ -3609,7 +3610,9 @@ mod tests {
     /// posted and every one filled) and a sender that sends whenever its credit allows;
     /// updates reach the sender one step after they are written. The receiver posts
     /// `burst` receives first, then `repost(filled)` more after each receive filled.
-    /// Returns (messages delivered, updates written).
+    /// Returns (messages delivered, updates written) once nothing moves, after checking
+    /// that the sender stopped only for lack of messages or of receives posted, never
+    /// with receives posted that it was not told of.
     fn run_credits(
         msgs: u64,
         burst: u64,
@@ -3650,6 +3653,10 @@ mod tests {
                 post(n, &mut posted, &mut advertised, &mut updates, done);
             }
         }
+        assert!(
+            sent == msgs || done == posted,
+            "stalled: {sent} of {msgs} sent, {posted} posted, {advertised} announced"
+        );
         (done, updates)
     }
 
@@ -3668,7 +3675,7 @@ mod tests {
         // are filled give the sender the rest.
         assert_eq!(run_credits(500, 200, |_| 0, 1024).0, 200);
         // Receives posted in odd batches after fills, and a queue limit: every receive
-        // posted is filled.
+        // posted is filled (`run_credits` checks).
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
         for cap in [1, 3, 17, 256] {
             let burst = (x % 40) + 1;
