@@ -1864,14 +1864,16 @@ impl EpCore {
         self.lazy && l.recvs_posted > l.advertised
     }
 
-    /// Whether the RNR thread has work here: requests held back (but not a send's
-    /// delivery read held back for the peer's count alone: the send queue's completion
-    /// queue watches that one at every poll and wait, [`EpCore::settle`], and a wake-up of
-    /// the helper thread per send cost the send's latency on the guest's two vCPUs), an
-    /// owed credit update, or receives not announced.
+    /// Whether the RNR thread has work here: requests held back, an owed credit update,
+    /// or receives not announced. A send's delivery read held back for the peer's count
+    /// counts too: the send queue's completion queue looks at it in `poll` and `wait`
+    /// ([`EpCore::settle`]), but an application that waits on the queue's descriptor
+    /// (the `fabric` crate's tokio support, an epoll loop) is woken by no event when the
+    /// count arrives, and only the RNR thread releases the read once its time is up, whose
+    /// completion wakes the descriptor (a build that left such reads to the queue kept
+    /// the async example's iwarp ping-pong waiting for good).
     fn wants_rnr(&self, l: &Ledger) -> bool {
-        let count_only = l.pending == 1 && l.deferred.is_some_and(|d| !d.released);
-        (l.pending > 0 && !count_only) || l.credit_dirty || self.unannounced(l)
+        l.pending > 0 || l.credit_dirty || self.unannounced(l)
     }
 
     fn note_blocked(self: &Arc<Self>, l: &mut Ledger) {
