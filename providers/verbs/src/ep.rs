@@ -652,6 +652,12 @@ fn inlines_on_siw(total: u64, max_inline: u32) -> bool {
     total > 0 && total <= u64::from(SMALL_PAYLOAD.min(max_inline))
 }
 
+/// Whether `len` bytes at `addr` are a small payload ([`SMALL_PAYLOAD`]) that crosses a
+/// page boundary.
+fn crosses_small(addr: u64, len: u64) -> bool {
+    len > 0 && len <= u64::from(SMALL_PAYLOAD) && (addr % PAGE) + len > PAGE
+}
+
 /// Works around a device that garbles a payload of at most [`SMALL_PAYLOAD`] bytes
 /// from registered memory when it crosses a page boundary
 /// ([`Profile::small_page_crossing`](crate::Profile::small_page_crossing)): such a read
@@ -661,9 +667,7 @@ fn avoid_small_page_crossing(
     wrs: Planned,
     copy: impl Fn(&Sge) -> Result<Inline>,
 ) -> Result<Planned> {
-    let crosses = |addr: u64, len: u32| {
-        len > 0 && len <= SMALL_PAYLOAD && (addr % PAGE) + u64::from(len) > PAGE
-    };
+    let crosses = |addr: u64, len: u32| crosses_small(addr, u64::from(len));
     let mut out = Planned::new();
     for (w, e) in wrs {
         let single = w.inline.is_none() && w.sges.len() == 1 && e.is_none();
@@ -1301,10 +1305,8 @@ impl EpCore {
     // ----- posting ----------------------------------------------------------------------
 
     pub fn post_send(self: &Arc<Self>, wr: &SendWr<'_>) -> Result<()> {
-        if self.direct {
-            if let Some(r) = self.post_direct(wr) {
-                return r;
-            }
+        if let Some(r) = self.post_direct(wr) {
+            return r;
         }
         let mut plan = self.plan(wr)?;
         {
@@ -1415,13 +1417,30 @@ impl EpCore {
     /// `None`, having changed nothing, for anything else: the ledger's path plans it,
     /// holds it back, or reports what is wrong with it.
     ///
-    /// Only where [`direct`](Self::direct) is set: no emulation, no credits, no delivery
-    /// reads, no page-crossing workaround, so that the request is exactly what the
-    /// ledger's path would post. An inline payload is not copied first: nothing holds it
-    /// back, so the device library copies it from registered memory during the call.
+    /// Where [`direct`](Self::direct) is set (no emulation, no credits, no delivery
+    /// reads, no page-crossing workaround) every such request. Elsewhere (iwarp) only
+    /// the requests to which the ledger's path would add nothing ([`Self::adds_nothing`]):
+    /// transmit-complete sends and writes with no read outstanding (no delivery read),
+    /// sends only with a credit in hand and the peer told it need not confirm them, and
+    /// reads; payloads of at most 32 bytes inline, reads that do not cross a page. So the
+    /// request is exactly what the ledger's path would post. An inline payload is not
+    /// copied first: nothing holds it back, so the device library copies it from
+    /// registered memory during the call.
+    ///
+    /// On siw this is most of a small transfer's cost in the guest: the ledger's path
+    /// was about 4 100 instructions per 8-byte transmit-complete write, this one about
+    /// 800 (callgrind, BENCHMARKS.md, twenty-sixth session).
     fn post_direct(self: &Arc<Self>, wr: &SendWr<'_>) -> Option<Result<()>> {
         let p = &self.dom.profile;
-        let inline = wr.flags.contains(SendFlags::INLINE);
+        let mut inline = wr.flags.contains(SendFlags::INLINE);
+        let fence = wr.flags.contains(SendFlags::FENCE);
+        let transmit = wr.flags.contains(SendFlags::TRANSMIT_COMPLETE);
+        // Requests the ledger's path would add to, or hold back behind a read (a fence in
+        // software), go there.
+        let picky = !self.direct;
+        if picky && ((fence && p.soft_fence) || !self.adds_nothing(wr, transmit)) {
+            return None;
+        }
         let atomic_result;
         // The entries, the hardware operation, the access its local memory needs, and
         // whether it moves the gather list's bytes (else 8: an atomic).
@@ -1469,6 +1488,26 @@ impl EpCore {
         if crate::fault::armed() {
             return None;
         }
+        if picky && p.small_page_crossing {
+            // The workaround's cases: a small payload goes inline (or, too long for the
+            // device's inline, is split by the ledger's path), a small read that crosses
+            // a remote page is split there.
+            let total: u64 = sgl.iter().map(|s| s.len() as u64).sum();
+            match wr.op {
+                SendOp::Read { remote, .. } => {
+                    if total == 0 || crosses_small(remote.addr, total) {
+                        return None;
+                    }
+                }
+                _ if total <= u64::from(SMALL_PAYLOAD) && total > 0 => {
+                    if !self.inlines_small(total) {
+                        return None;
+                    }
+                    inline = true;
+                }
+                _ => {}
+            }
+        }
         let mut sges = Sges::new();
         let mut holds = Holds::new();
         // An inline payload is read during the call: no counted reference to take.
@@ -1484,11 +1523,13 @@ impl EpCore {
             return None;
         }
         let mut l = self.lock();
+        let is_send = matches!(op, HwOp::Send { .. });
         if l.status != EndpointState::Connected
             || l.torn_down
             || l.pending > 0
             || l.user_sq >= self.sq_depth
             || l.hw_sq >= self.hw_sq_cap
+            || (picky && !self.adds_nothing_now(&l, is_send, transmit))
         {
             drop(l);
             self.send_cq.release(1);
@@ -1512,8 +1553,12 @@ impl EpCore {
             self.send_cq.release(1);
             return Some(Err(post_error(&e)));
         }
-        let is_send = matches!(op, HwOp::Send { .. });
         l.next_seq += 1;
+        if picky && transmit {
+            // As the ledger's path records a transmit-complete request posted without
+            // its delivery read.
+            l.unconfirmed_tc = Some((seq, wr.opcode()));
+        }
         l.sq.push_back(SqRec {
             seq,
             unposted: false,
@@ -1541,6 +1586,38 @@ impl EpCore {
         #[cfg(debug_assertions)]
         crate::fault::note_direct();
         Some(Ok(()))
+    }
+
+    /// Whether the ledger's path would post `wr` as it is (on a connection that adds to
+    /// requests), as far as the request alone tells: a read, or a transmit-complete send
+    /// or write without immediate data (emulated here). [`Self::adds_nothing_now`] asks
+    /// the ledger the rest.
+    fn adds_nothing(&self, wr: &SendWr<'_>, transmit: bool) -> bool {
+        match wr.op {
+            SendOp::Read { .. } => true,
+            SendOp::Send { imm, .. } | SendOp::Write { imm, .. } => transmit && imm.is_none(),
+            SendOp::Atomic { .. } => false,
+        }
+    }
+
+    /// The ledger's part of [`Self::adds_nothing`], under its lock (with nothing held
+    /// back): a transmit-complete request keeps its delivery read while a read carrying
+    /// an earlier request's completion is outstanding (see `post_send`); requests wait
+    /// behind an emulated atomic awaiting its reply; a send needs a credit, and, where
+    /// the peer batches its credit updates, the peer told that our sends do not wait
+    /// for its count (`tell_mode`, a write of its own).
+    fn adds_nothing_now(&self, l: &Ledger, is_send: bool, transmit: bool) -> bool {
+        if l.amo_wait.is_some() || l.deferred.is_some() {
+            return false;
+        }
+        if transmit && l.sq.iter().any(|r| r.is_read && r.user.is_some()) {
+            return false;
+        }
+        if !is_send {
+            return true;
+        }
+        (!self.lazy || l.told_lazy)
+            && (self.credit.is_none() || self.peer_counts(l).posted > l.sends_hw)
     }
 
     /// Posts held-back groups in order while credits and queue room allow.

@@ -189,6 +189,38 @@ pub fn conn_items<F: Flavor>(d: VerbsDomain<F>, ip: IpAddr) {
     let mut out = Vec::new();
     assert_eq!(ccq.poll(&mut out, 8).unwrap(), 0, "{out:?}");
 
+    // Transmit-complete writes need nothing added on any connection (no read is
+    // outstanding, so no delivery read): the direct path, the 8-byte one inline on siw. A
+    // delivery-complete write takes the ledger's path on iwarp (its delivery read).
+    #[cfg(debug_assertions)]
+    {
+        let before = fabric_verbs::fault::direct_posts();
+        for (ctx, len) in [(30, 8), (31, 64)] {
+            let sgl = [src.slice(0..len).unwrap()];
+            c.post_send(&SendWr::write(ctx, &sgl, dst.desc().at(0)).transmit_complete())
+                .unwrap();
+        }
+        c.post_send(&SendWr::write(
+            32,
+            &[src.slice(0..64).unwrap()],
+            dst.desc().at(0),
+        ))
+        .unwrap();
+        let direct = fabric_verbs::fault::direct_posts() - before;
+        let want = if F::NAME == "iwarp" { 2 } else { 3 };
+        assert_eq!(
+            direct,
+            want,
+            "writes posted by the direct path on {}",
+            F::NAME
+        );
+        c.drain(T).unwrap();
+        for ctx in 30..33 {
+            let x = next(&ccq);
+            assert_eq!((x.status, x.context), (Status::Success, ctx), "{x:?}");
+        }
+    }
+
     // A send with no receive at the peer waits (RNR, or held for credits): drain times out
     // naming it.
     c.post_send(&SendWr::send(10, &[src.slice(0..8).unwrap()]))
