@@ -1494,11 +1494,10 @@ impl EpCore {
             // a remote page is split there.
             let total: u64 = sgl.iter().map(|s| s.len() as u64).sum();
             match wr.op {
-                SendOp::Read { remote, .. } => {
-                    if total == 0 || crosses_small(remote.addr, total) {
-                        return None;
-                    }
+                SendOp::Read { remote, .. } if total == 0 || crosses_small(remote.addr, total) => {
+                    return None;
                 }
+                SendOp::Read { .. } => {}
                 _ if total <= u64::from(SMALL_PAYLOAD) && total > 0 => {
                     if !self.inlines_small(total) {
                         return None;
