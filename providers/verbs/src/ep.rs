@@ -2308,12 +2308,13 @@ impl EpCore {
         let Some(e) = &self.emu else {
             return (false, false);
         };
-        let (wait, killing, served) = {
+        let (wait, killing, served, keep) = {
             let l = self.lock();
             if l.torn_down {
                 return (false, false);
             }
-            (l.amo_wait, l.kill_after.is_some(), l.amo_served)
+            let keep = l.status == EndpointState::Connected || l.kill_after.is_some();
+            (l.amo_wait, l.kill_after.is_some(), l.amo_served, keep)
         };
         let mut busy = wait.is_some() || killing;
         if let Some(seq) = wait {
@@ -2329,6 +2330,10 @@ impl EpCore {
         if let Some(req) = AmoReq::read(&e.buf).filter(|r| r.seq == served.wrapping_add(1)) {
             self.serve_amo(e, req);
             busy = true;
+        }
+        if !busy {
+            // Nothing done: the look under the lock above still holds.
+            return (false, keep);
         }
         let l = self.lock();
         let keep = !l.torn_down && (l.status == EndpointState::Connected || l.kill_after.is_some());
