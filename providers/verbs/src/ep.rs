@@ -424,9 +424,12 @@ struct Ledger {
     /// Our count of receives posted as our last credit update wrote it (the peer may
     /// send this many in all).
     advertised: u64,
-    /// When a receive was last posted or completed here (connections that batch credit
-    /// updates: [`EpCore::retry_blocked`] reaps the receive queue when this is old).
-    recv_activity: Instant,
+    /// The RNR thread's last look at this endpoint's receives (connections that batch
+    /// credit updates): the count of receives posted plus completed, and when that count
+    /// was first seen. [`EpCore::retry_blocked`] reaps the receive queue when it stayed
+    /// for [`DEFER`]. The helper keeps it, so that neither posting nor polling reads the
+    /// clock for it.
+    recv_seen: (u64, Instant),
     /// What we last wrote into the peer's mode word (`emu_wire::MODE_OFF`): true when it
     /// says our sends need no confirmation (connections that batch credit updates).
     told_lazy: bool,
@@ -859,7 +862,7 @@ impl EpCore {
                     amo_served: 0,
                     recvs_done: 0,
                     advertised: 0,
-                    recv_activity: Instant::now(),
+                    recv_seen: (0, Instant::now()),
                     told_lazy: false,
                     deferred: None,
                     watched: false,
@@ -1974,8 +1977,14 @@ impl EpCore {
         // while receives are not announced, the receive queue is reaped. The application
         // may have stopped looking while the peer, out of credit, waits: the fills found
         // make an update due (`handle_completion`) exactly when the peer may run short.
-        let l = self.lock();
-        let stale = self.unannounced(&l) && l.recv_activity.elapsed() >= DEFER;
+        let mut l = self.lock();
+        let stale = self.unannounced(&l) && {
+            let now = l.recvs_posted + l.recvs_done;
+            if l.recv_seen.0 != now {
+                l.recv_seen = (now, Instant::now());
+            }
+            l.recv_seen.1.elapsed() >= DEFER
+        };
         drop(l);
         if stale {
             self.recv_cq.reap();
@@ -2625,9 +2634,6 @@ impl EpCore {
         });
         if self.credit.is_some() {
             l.recvs_posted += 1;
-            if self.lazy {
-                l.recv_activity = Instant::now();
-            }
             if !self.batching() || credit_due(l.advertised, l.recvs_posted, l.recvs_done) {
                 l.credit_dirty = true;
             }
@@ -2915,9 +2921,6 @@ impl EpCore {
             // immediate, if any, is in that slot of our ring (placed before the send).
             let ordinal = l.recvs_done;
             l.recvs_done += 1;
-            if self.lazy {
-                l.recv_activity = Instant::now();
-            }
             if self.batching() && credit_due(l.advertised, l.recvs_posted, l.recvs_done) {
                 // The peer may run short before we post another receive.
                 l.credit_dirty = true;
