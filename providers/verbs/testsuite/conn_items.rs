@@ -138,6 +138,20 @@ fn pair<F: Flavor>(
     (ep, s)
 }
 
+/// Checks how many requests posted since `before` (the debug count
+/// `fault::direct_posts`) went by the direct path: `want[0]` on roce, `want[1]` on iwarp.
+#[cfg(debug_assertions)]
+fn posted_direct<F: Flavor>(before: usize, want: [usize; 2], what: &str) {
+    let direct = fabric_verbs::fault::direct_posts() - before;
+    let want = want[usize::from(F::NAME == "iwarp")];
+    assert_eq!(
+        direct,
+        want,
+        "{what} posted by the direct path on {}",
+        F::NAME
+    );
+}
+
 /// The whole sequence on one domain (one device thread set-up per run).
 pub fn conn_items<F: Flavor>(d: VerbsDomain<F>, ip: IpAddr) {
     let ccq = d.create_cq(64).unwrap();
@@ -159,19 +173,10 @@ pub fn conn_items<F: Flavor>(d: VerbsDomain<F>, ip: IpAddr) {
         c.post_send(&SendWr::send(i, &[src.slice(0..64).unwrap()]))
             .unwrap();
     }
-    // Which connections post from the direct path: roce's (nothing to add to a request),
-    // not iwarp's (credits and delivery reads go with every send).
+    // Which connections post delivery-complete sends from the direct path: roce's
+    // (nothing to add to a request), not iwarp's (credits and delivery reads go with them).
     #[cfg(debug_assertions)]
-    {
-        let direct = fabric_verbs::fault::direct_posts() - direct_before;
-        let want = if F::NAME == "iwarp" { 0 } else { 3 };
-        assert_eq!(
-            direct,
-            want,
-            "sends posted by the direct path on {}",
-            F::NAME
-        );
-    }
+    posted_direct::<F>(direct_before, [3, 0], "delivery-complete sends");
     // drain waits for the three sends without anyone polling.
     c.drain(T).unwrap();
     for _ in 0..3 {
@@ -206,14 +211,7 @@ pub fn conn_items<F: Flavor>(d: VerbsDomain<F>, ip: IpAddr) {
             dst.desc().at(0),
         ))
         .unwrap();
-        let direct = fabric_verbs::fault::direct_posts() - before;
-        let want = if F::NAME == "iwarp" { 2 } else { 3 };
-        assert_eq!(
-            direct,
-            want,
-            "writes posted by the direct path on {}",
-            F::NAME
-        );
+        posted_direct::<F>(before, [3, 2], "writes");
         c.drain(T).unwrap();
         for ctx in 30..33 {
             let x = next(&ccq);
