@@ -1322,9 +1322,8 @@ impl EpCore {
         self.send_cq.reserve(internal)?;
         let mut l = self.lock();
         // A transmit-complete request goes without its delivery read unless a read that
-        // carries an earlier request's completion is outstanding: the device completes
-        // this one at transmit, and it must not complete before that earlier request.
-        let unconfirmed = plan.transmit && !l.sq.iter().any(|r| r.is_read && r.user.is_some());
+        // carries an earlier request's completion is outstanding.
+        let unconfirmed = plan.transmit && !Self::completing_read_out(&l);
         if unconfirmed {
             plan.wrs.pop();
             plan.deferrable = false;
@@ -1432,7 +1431,7 @@ impl EpCore {
     ///
     /// On siw this is most of a small transfer's cost in the guest: the ledger's path
     /// was about 4 100 instructions per 8-byte transmit-complete write, this one about
-    /// 800 (callgrind, BENCHMARKS.md, twenty-sixth session).
+    /// 900 (callgrind, BENCHMARKS.md, twenty-sixth session).
     fn post_direct(self: &Arc<Self>, wr: &SendWr<'_>) -> Option<Result<()>> {
         let p = &self.dom.profile;
         let mut inline = wr.flags.contains(SendFlags::INLINE);
@@ -1590,6 +1589,14 @@ impl EpCore {
         Some(Ok(()))
     }
 
+    /// Whether a read that carries a request's completion (a user read, or a delivery
+    /// read that reports the request before it) is outstanding. A transmit-complete
+    /// request then keeps its delivery read: the device completes it at transmit, and it
+    /// must not complete before that earlier request.
+    fn completing_read_out(l: &Ledger) -> bool {
+        l.sq.iter().any(|r| r.is_read && r.user.is_some())
+    }
+
     /// Whether the ledger's path would post `wr` as it is (on a connection that adds to
     /// requests), as far as the request alone tells: a read, or a transmit-complete send
     /// or write without immediate data (emulated here). [`Self::adds_nothing_now`] asks
@@ -1612,7 +1619,7 @@ impl EpCore {
         if l.amo_wait.is_some() || l.deferred.is_some() {
             return false;
         }
-        if transmit && l.sq.iter().any(|r| r.is_read && r.user.is_some()) {
+        if transmit && Self::completing_read_out(l) {
             return false;
         }
         if !is_send {
@@ -2322,8 +2329,12 @@ impl EpCore {
             if l.torn_down {
                 return (false, false);
             }
-            let keep = l.status == EndpointState::Connected || l.kill_after.is_some();
-            (l.amo_wait, l.kill_after.is_some(), l.amo_served, keep)
+            (
+                l.amo_wait,
+                l.kill_after.is_some(),
+                l.amo_served,
+                Self::served(&l),
+            )
         };
         let mut busy = wait.is_some() || killing;
         if let Some(seq) = wait {
@@ -2344,9 +2355,13 @@ impl EpCore {
             // Nothing done: the look under the lock above still holds.
             return (false, keep);
         }
-        let l = self.lock();
-        let keep = !l.torn_down && (l.status == EndpointState::Connected || l.kill_after.is_some());
-        (busy, keep)
+        (busy, Self::served(&self.lock()))
+    }
+
+    /// Whether the helper keeps serving the endpoint's emulation: while it is connected,
+    /// or until a refused atomic's reply has left.
+    fn served(l: &Ledger) -> bool {
+        !l.torn_down && (l.status == EndpointState::Connected || l.kill_after.is_some())
     }
 
     /// Completes our emulated atomic with the peer's reply (helper thread, no lock held).
