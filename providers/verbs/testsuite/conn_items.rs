@@ -217,6 +217,29 @@ pub fn conn_items<F: Flavor>(d: VerbsDomain<F>, ip: IpAddr) {
             let x = next(&ccq);
             assert_eq!((x.status, x.context), (Status::Success, ctx), "{x:?}");
         }
+        // A transmit-complete write behind a delivery-complete one whose read is still
+        // outstanding (nobody reaps meanwhile) keeps a read of its own on iwarp: it must not
+        // complete before the earlier write. The ledger's path, then; completions in order.
+        let before = fabric_verbs::fault::direct_posts();
+        c.post_send(&SendWr::write(
+            33,
+            &[src.slice(0..64).unwrap()],
+            dst.desc().at(0),
+        ))
+        .unwrap();
+        let sgl = [src.slice(0..8).unwrap()];
+        c.post_send(&SendWr::write(34, &sgl, dst.desc().at(0)).transmit_complete())
+            .unwrap();
+        posted_direct::<F>(
+            before,
+            [2, 0],
+            "a transmit-complete write behind a delivery read",
+        );
+        c.drain(T).unwrap();
+        for ctx in 33..35 {
+            let x = next(&ccq);
+            assert_eq!((x.status, x.context), (Status::Success, ctx), "{x:?}");
+        }
     }
 
     // A send with no receive at the peer waits (RNR, or held for credits): drain times out
@@ -318,6 +341,7 @@ pub fn conn_items<F: Flavor>(d: VerbsDomain<F>, ip: IpAddr) {
                     .unwrap();
             }
             let before = fabric_verbs::fault::credit_updates();
+            let direct_before = fabric_verbs::fault::direct_posts();
             const M: u64 = 200;
             for i in 0..M {
                 let piece = [src.slice(0..64).unwrap()];
@@ -332,16 +356,28 @@ pub fn conn_items<F: Flavor>(d: VerbsDomain<F>, ip: IpAddr) {
                 assert_eq!((x.context, x.status), (700 + i, Status::Success), "{x:?}");
             }
             let n = fabric_verbs::fault::credit_updates() - before;
+            let direct = fabric_verbs::fault::direct_posts() - direct_before;
             // The window still posted is filled, so that the next run starts with none.
             for _ in 0..W {
                 c.post_send(&SendWr::send(900, &[src.slice(0..8).unwrap()]).unsignaled())
                     .unwrap();
                 next_live(&scq);
             }
-            n
+            (n, direct)
         };
-        let lazy = updates(true);
-        let eager = updates(false);
+        let (lazy, lazy_direct) = updates(true);
+        let (eager, eager_direct) = updates(false);
+        // Transmit-complete sends with credit in hand go by the direct path once the peer
+        // was told they need no count (the first one tells it, by the ledger's path);
+        // delivery-complete ones never do.
+        assert!(
+            lazy_direct >= 150,
+            "{lazy_direct} of 200 transmit-complete sends posted by the direct path"
+        );
+        assert_eq!(
+            eager_direct, 0,
+            "delivery-complete sends posted by the direct path"
+        );
         assert!(
             lazy <= 50,
             "{lazy} credit updates for 200 transmit-complete sends into a window of {W}"
