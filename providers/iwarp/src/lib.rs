@@ -114,7 +114,7 @@
 //!   docs for what counts as a sign of life and the exact bound.
 //! * **Foreign iWARP peers** (rdma-core's `rping`, any verbs application: connection
 //!   private data without this framework's frame, and no hello mark from the tcp provider
-//!   within a second): no credits, no delivery-complete sends and writes and no dead-peer
+//!   within 5 s): no credits, no delivery-complete sends and writes and no dead-peer
 //!   probes, because all of those would need zero-length RDMA Reads, which siw answers with
 //!   a stale length (`siw: rresp len: 64 != 0`, then a Terminate). When such a peer
 //!   connects, the provider posts four early receives (64 KiB each) before it accepts:

@@ -103,6 +103,39 @@ pub(crate) fn now_ns() -> u64 {
     fabric_api::sync::monotonic_ns()
 }
 
+/// When an initiator repeats its hello mark to this framework's iwarp provider, after
+/// [`Conn::start`] wrote it (see [`PollSet::note_hello`]): siw (Linux 6.1, `siw_accept`)
+/// sends its MPA Reply before it hands the socket's input to the queue pair, and bytes that
+/// arrive in between raise no event it acts on. They wait in the socket until the next
+/// segment comes, so a hello mark (and its filler sends) written right upon the reply can
+/// sit there unseen, and the acceptor, which waits at most 5 s for the mark, takes us for
+/// a foreign stack (no credits, no emulation: seen as a rare conformance flake). Any later
+/// segment makes siw read the whole backlog, in order; a repeat of the mark (the same
+/// word, written again) is one that changes nothing else. Repeats stop once the
+/// application sent anything on the connection (its message does the same) or the
+/// connection left the connected state; all fall well within the acceptor's 5 s.
+pub(crate) const HELLO_REPEATS: [Duration; 4] = [
+    Duration::from_millis(20),
+    Duration::from_millis(100),
+    Duration::from_millis(500),
+    Duration::from_millis(2500),
+];
+
+/// A connection whose hello mark is repeated at `due` ([`now_ns`]), the `next`-th of
+/// [`HELLO_REPEATS`] after `start`.
+#[derive(Debug)]
+struct HelloRepeat {
+    conn: Weak<Conn>,
+    start: u64,
+    next: usize,
+}
+
+impl HelloRepeat {
+    fn due(&self) -> u64 {
+        self.start + HELLO_REPEATS[self.next].as_nanos() as u64
+    }
+}
+
 /// Events taken from `epoll` per wait.
 const EVENTS: usize = 64;
 
@@ -190,6 +223,10 @@ pub(crate) struct PollSet<P: Poller = Poll> {
     /// When a thread last looked at this set ([`now_ns`]); for a completion queue's set,
     /// the application (see [`PollSet::app_driven`]).
     driven_at: AtomicU64,
+    /// Connections repeating their hello mark ([`PollSet::note_hello`]), and the earliest
+    /// repeat due (`u64::MAX`: none; checked without the lock on every look).
+    hellos: Mutex<Vec<HelloRepeat>>,
+    hello_due: AtomicU64,
 }
 
 impl PollSet {
@@ -244,7 +281,65 @@ impl<P: Poller> PollSet<P> {
             sleepers: AtomicUsize::new(0),
             armed: AtomicUsize::new(0),
             driven_at: AtomicU64::new(0),
+            hellos: Mutex::new(Vec::new()),
+            hello_due: AtomicU64::new(u64::MAX),
         }
+    }
+
+    /// Has `conn`, which wrote its hello mark at `start` ([`now_ns`]), repeat it at the
+    /// times of [`HELLO_REPEATS`] (see there) from this set: its progress thread (mode
+    /// `auto`, the domain's set) or, with no thread, the application's looks at it (a
+    /// completion queue's set).
+    pub fn note_hello(&self, conn: &Arc<Conn>, start: u64) {
+        let r = HelloRepeat {
+            conn: Arc::downgrade(conn),
+            start,
+            next: 0,
+        };
+        self.hello_due.fetch_min(r.due(), Ordering::SeqCst);
+        self.hellos.lock().expect("poll set poisoned").push(r);
+        // The progress thread may sleep without a limit: it recomputes its limit.
+        self.wake();
+    }
+
+    /// Repeats the hello marks due at `now`; a look costs one load while none is due.
+    fn repeat_hellos(&self, now: u64) {
+        if now < self.hello_due.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut due = Vec::new();
+        {
+            let mut hellos = self.hellos.lock().expect("poll set poisoned");
+            let mut i = 0;
+            while i < hellos.len() {
+                if hellos[i].due() <= now {
+                    due.push(hellos.swap_remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        // No set lock is held while connections run (they take their own locks).
+        due.retain_mut(|r| {
+            let again = r.conn.upgrade().is_some_and(|c| c.repeat_hello());
+            r.next += 1;
+            again && r.next < HELLO_REPEATS.len()
+        });
+        let mut hellos = self.hellos.lock().expect("poll set poisoned");
+        hellos.append(&mut due);
+        let next = hellos
+            .iter()
+            .map(HelloRepeat::due)
+            .min()
+            .unwrap_or(u64::MAX);
+        self.hello_due.store(next, Ordering::SeqCst);
+    }
+
+    /// How long the progress thread may sleep before a hello mark is due (`None`: none).
+    fn until_hello(&self) -> Option<Duration> {
+        let due = self.hello_due.load(Ordering::SeqCst);
+        // Never zero: a zero wait is a look, which does not count as a sleep (`ready`).
+        (due != u64::MAX).then(|| Duration::from_nanos(due.saturating_sub(now_ns()).max(1)))
     }
 
     /// Whether the application drives this (completion queue's) set: a thread sleeps in
@@ -258,11 +353,7 @@ impl<P: Poller> PollSet<P> {
         at != 0 && now_ns().saturating_sub(at) < HANDOFF.as_nanos() as u64
     }
 
-    fn mark_driven(&self) {
-        self.mark_driven_at(now_ns());
-    }
-
-    /// [`mark_driven`](Self::mark_driven) with the time already read.
+    /// Notes that a thread looks at this set at `now` ([`now_ns`]).
     fn mark_driven_at(&self, now: u64) {
         fabric_api::sync::atomic_only(&self.driven_at); // a hint: publishes nothing
         self.driven_at.store(now.max(1), Ordering::Relaxed);
@@ -295,8 +386,10 @@ impl<P: Poller> PollSet<P> {
     /// then misses (polled already) and leave the set disarmed: the loom model
     /// `loom_cq_armed_descriptor_is_woken_by_push` finds that lost wake-up.
     pub fn arm(&self, done: impl Fn() -> bool) -> bool {
-        self.mark_driven();
+        let now = now_ns();
+        self.mark_driven_at(now);
         self.send_held();
+        self.repeat_hellos(now);
         let full = match self.poll.try_lock() {
             Ok(mut poll) => self.dispatch(&mut poll, Some(Duration::ZERO)),
             // Another thread sleeps in (or looks at) the set: it consumes the readiness
@@ -328,6 +421,7 @@ impl<P: Poller> PollSet<P> {
         let now = now_ns();
         self.mark_driven_at(now);
         self.send_due(now);
+        self.repeat_hellos(now);
         if let Ok(mut poll) = self.poll.try_lock() {
             match self.sole() {
                 Some(c) => c.progress_app(),
@@ -352,8 +446,10 @@ impl<P: Poller> PollSet<P> {
     /// checked after this thread counts as a sleeper, so a [`wake`](Self::wake) that
     /// follows a change `done` looks at is never lost.
     pub fn run_unless(&self, timeout: Option<Duration>, done: impl Fn() -> bool) {
-        self.mark_driven();
+        let now = now_ns();
+        self.mark_driven_at(now);
         self.send_held();
+        self.repeat_hellos(now);
         let mut poll = self.poll.lock().expect("poll set poisoned");
         self.sleepers.fetch_add(1, Ordering::SeqCst);
         // Paired with the fence in `wake`: either the waker sees this sleeper, or this
@@ -513,6 +609,7 @@ impl PollSet {
         let mut skipped: TokenMap<Weak<Conn>> = TokenMap::default();
         let mut ready = Vec::new();
         while !stop.load(Ordering::Acquire) {
+            self.repeat_hellos(now_ns());
             // Connections holding output back (deferred acks, `MORE` posts): watched like
             // skipped ones, so that it leaves within HANDOFF of the application's last poll.
             self.take_owed(|w| {
@@ -535,7 +632,7 @@ impl PollSet {
                     continue;
                 }
                 let (poller, events, _) = &mut *poll;
-                self.ready(poller, events, None, &mut ready);
+                self.ready(poller, events, self.until_hello(), &mut ready);
             } else {
                 // Readiness arriving now queues in the epoll ready list without waking us.
                 std::thread::sleep(HANDOFF);

@@ -289,6 +289,9 @@ struct State {
     amo_sent: u64,
     amo_wait: Option<u64>,
     amo_served: u64,
+    /// Nothing but our hello mark, its filler sends and its repeats was transmitted yet
+    /// (see [`crate::engine::HELLO_REPEATS`]).
+    hello_only: bool,
 }
 
 /// The shared state of one connection.
@@ -399,6 +402,7 @@ impl Conn {
                 amo_sent: 0,
                 amo_wait: None,
                 amo_served: 0,
+                hello_only: false,
             }),
             tx: Mutex::new(TxQueue::default()),
             rx: Mutex::new(Rx::new(crc)),
@@ -462,9 +466,36 @@ impl Conn {
             for _ in 0..EARLY_FILLERS {
                 self.transmit(&mut st, empty_send());
             }
+            st.hello_only = true;
+            drop(st);
+            // The mark may have reached siw before it listens to the socket: repeated until
+            // anything else is sent (see `HELLO_REPEATS`).
+            let set = match self.engine.mode {
+                crate::engine::ProgressMode::Auto => self.engine.set.as_ref(),
+                crate::engine::ProgressMode::Manual => self.send_cq.set(),
+            };
+            set.note_hello(self, crate::engine::now_ns());
         }
         self.progress();
         Ok(())
+    }
+
+    /// Writes our hello mark into the peer's area again (see
+    /// [`crate::engine::HELLO_REPEATS`]) unless anything else was transmitted since it was
+    /// first written or the connection left the connected state. Returns whether it did
+    /// (whether to go on repeating).
+    pub fn repeat_hello(&self) -> bool {
+        let Some(area) = self.neg.peer_area else {
+            return false;
+        };
+        let mut st = self.lock();
+        if st.status != EndpointState::Connected || !st.hello_only {
+            return false;
+        }
+        tracing::debug!(peer = %self.peer, "hello mark repeated");
+        self.mark_peer_area(&mut st, area, pdata::area::HELLO);
+        st.hello_only = true;
+        true
     }
 
     /// Takes the socket out of every poll set (the endpoint is being dropped).
@@ -1128,6 +1159,7 @@ impl Conn {
         let seq = st.next_seq;
         st.next_seq += 1;
         st.sends_out += 1;
+        st.hello_only = false;
         let mut bytes = std::mem::take(&mut st.spare_bytes);
         bytes.clear();
         if st.acks_owed != [0; 2] {
@@ -1404,6 +1436,7 @@ impl Conn {
     /// Transmits `msgs` in order: encoded into one buffer and handed to the socket with
     /// one `send` when they are small and nothing is queued, else one by one.
     fn transmit_all(&self, st: &mut State, mut msgs: Vec<OutMsg>) {
+        st.hello_only = false;
         let small = msgs.iter().map(|m| m.payload.len()).sum::<usize>() <= DIRECT_LIMIT;
         let idle = {
             let tx = self.tx.lock().expect("tx poisoned");
@@ -1488,6 +1521,7 @@ impl Conn {
 
     /// Assigns the MSN and hands the message to the socket, or queues it behind others.
     fn transmit_one(&self, st: &mut State, mut m: OutMsg) {
+        st.hello_only = false;
         Self::number(st, &mut m);
         let mut tx = self.tx.lock().expect("tx poisoned");
         if tx.closed {
