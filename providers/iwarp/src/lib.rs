@@ -8,7 +8,9 @@
 //!   RFC 7306. Emulated between peers of this framework over base RDMAP (negotiated in the
 //!   connection's private data; see the fabric-verbs crate's `emu` module): an atomic is a
 //!   request written into the peer's emulation area, executed by the peer's provider (its
-//!   domain helper thread, so the target application need not poll) on the same 64-bit
+//!   domain helper thread, so the target application need not poll, or the target
+//!   application's own poll of the endpoint's queue when it finds the request first,
+//!   which lets the helper wake less often) on the same 64-bit
 //!   atomic word as every framework atomic, the old value written back; one atomic is in
 //!   flight per endpoint. Immediate data is written into a ring slot of the peer's area
 //!   ahead of the send it belongs to; a write with immediate data is the write, that
@@ -311,7 +313,7 @@ impl Flavor for Iwarp {
             emu("dead-peer detection", OpSet::SEND | OpSet::WRITE | OpSet::READ, "emulated, like UCX's keepalive: the queue pair has no ACK timer and the kernel's TCP socket under it no keepalive, so the domain's helper thread watches every endpoint; any completion or TCP segment from the peer is a sign of life, a quiet endpoint is probed with a delivery read, and one quiet for the dead-peer timeout ([iwarp] dead_peer_timeout_ms, default 10 s) is declared dead: the oldest outstanding operation completes RetryExceeded, the rest Flushed, the queue pair is destroyed"),
         ];
         if emulate {
-            emulated.push(emu("atomics", OpSet::ATOMICS, "emulated between peers of this framework (iWARP has no atomics): the request is written into the peer's emulation area and executed there by the peer's provider on its domain helper thread (no help from the target application), atomic with respect to every framework atomic on the word, the old value written back; one atomic in flight per endpoint; unavailable against a foreign iWARP peer"));
+            emulated.push(emu("atomics", OpSet::ATOMICS, "emulated between peers of this framework (iWARP has no atomics): the request is written into the peer's emulation area and executed there by the peer's provider on its domain helper thread (no help from the target application; a poll of the target's queue that finds the request first serves it, and while polls look at the area the helper looks every 32 ms instead of 2 ms), atomic with respect to every framework atomic on the word, the old value written back; one atomic in flight per endpoint; unavailable against a foreign iWARP peer"));
             emulated.push(emu("immediate data", OpSet::SEND_IMM | OpSet::WRITE_IMM, "emulated between peers of this framework (iWARP has no immediate data): the immediate is written into the peer's ring slot of the send ahead of it; a write with immediate data is the write, that record and a zero-length send consuming one posted receive after the data is placed; unavailable against a foreign iWARP peer"));
         }
         if split {

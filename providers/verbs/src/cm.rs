@@ -501,21 +501,29 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
         }
         if !serve.is_empty() {
             let mut busy = false;
+            let mut covered = true;
             serve.retain(|w| {
                 w.upgrade().is_some_and(|ep| {
-                    let (b, keep) = ep.poll_emu();
-                    busy |= b;
-                    keep
+                    let pass = ep.poll_emu();
+                    busy |= pass.busy;
+                    covered &= pass.covered;
+                    pass.keep
                 })
             });
             if busy {
                 last_busy = Instant::now();
             }
-            // Spin (yielding) while atomics flow and a little after; then back off.
+            // Spin (yielding) while atomics flow and a little after; then back off, and
+            // further while the applications' polls look at every area themselves.
+            let slowest = if covered {
+                crate::emu::POLL_STRETCH
+            } else {
+                crate::emu::POLL_MAX
+            };
             emu_delay = if last_busy.elapsed() < crate::emu::SPIN {
                 Duration::ZERO
             } else {
-                (emu_delay * 2).clamp(crate::emu::POLL_MIN, crate::emu::POLL_MAX)
+                (emu_delay * 2).clamp(crate::emu::POLL_MIN, slowest)
             };
             next_serve = Instant::now() + emu_delay;
             s.lists

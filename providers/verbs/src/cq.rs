@@ -12,6 +12,7 @@ use fabric_api::hash::IdMap;
 use fabric_api::spi::CompletionQueue;
 use fabric_api::{Completion, Error, ErrorKind, Result};
 
+use crate::emu::EmuWatch;
 use crate::ep::EpCore;
 use crate::ffi::{self, EventFd, HwCq, Wc};
 use crate::sync::{AtomicUsize, Ordering, Rank, Ranked, RankedGuard};
@@ -60,6 +61,10 @@ pub(crate) trait CompletionTarget<Q: DeviceQueue>: Send + Sync + Sized {
     fn settle(self: &Arc<Self>, _cq: &CqInner<Q, Self>, _st: &mut CqState<Self>) -> bool {
         false
     }
+
+    /// Serves what a poll's look at the target's emulation area found
+    /// ([`CqState::looked`]); called with no lock held.
+    fn serve(self: &Arc<Self>) {}
 }
 
 /// State behind the queue's lock.
@@ -76,6 +81,11 @@ pub(crate) struct CqState<E = EpCore> {
     pub orphans: Vec<Wc>,
     /// What [`CqInner::drain`] polls the device into.
     scratch: [Wc; DRAIN_BATCH],
+    /// Emulation areas that polls look at ([`EmuWatch::look`]), one per poll in turn
+    /// (`look_at` is the next), so that a poll's cost does not grow with them, and their
+    /// targets; an entry leaves the list when its target is gone.
+    pub looked: Vec<(Arc<EmuWatch>, Weak<E>)>,
+    look_at: usize,
 }
 
 impl<E> Default for CqState<E> {
@@ -85,6 +95,8 @@ impl<E> Default for CqState<E> {
             qps: IdMap::default(),
             orphans: Vec::new(),
             scratch: [Wc::default(); DRAIN_BATCH],
+            looked: Vec::new(),
+            look_at: 0,
         }
     }
 }
@@ -273,11 +285,12 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
     pub fn poll_ready(&self, out: &mut Vec<Completion>, max: usize) -> usize {
         let mut st = self.lock();
         self.drain(&mut st);
+        let due = if st.looked.is_empty() {
+            None
+        } else {
+            Self::look_next(&mut st)
+        };
         let n = st.ready.len().min(max);
-        if n == 0 {
-            // The empty poll of a spinning application: nothing to move or give back.
-            return 0;
-        }
         if n == st.ready.len() {
             out.append(&mut st.ready);
         } else {
@@ -285,7 +298,27 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
         }
         drop(st);
         self.release(n);
+        if let Some(t) = due {
+            t.serve();
+        }
         n
+    }
+
+    /// Looks at the next area of [`CqState::looked`]: its target to serve, if the look
+    /// found work. No counted reference is taken unless it did.
+    fn look_next(st: &mut CqState<E>) -> Option<Arc<E>> {
+        let i = st.look_at % st.looked.len();
+        st.look_at = i + 1;
+        let (watch, target) = &st.looked[i];
+        if target.strong_count() == 0 {
+            st.looked.swap_remove(i);
+            return None;
+        }
+        if watch.look() {
+            target.upgrade()
+        } else {
+            None
+        }
     }
 
     /// Moves everything the device completed into the ready queue (routing each
@@ -435,6 +468,7 @@ mod tests {
     use super::*;
     use fabric_api::{Opcode, Status};
     use std::collections::VecDeque;
+    use std::sync::atomic::AtomicUsize;
 
     /// A device queue holding what a test put in it.
     #[derive(Default)]
@@ -504,5 +538,81 @@ mod tests {
         assert_eq!(ids, (5..total).collect::<Vec<_>>());
         assert_eq!(cq.reserved.load(Ordering::Acquire), 0);
         assert_eq!(cq.poll_ready(&mut out, 100), 0);
+    }
+
+    /// A target that serves by reaping its queue (which takes the queue's lock), and
+    /// counts its serves.
+    #[derive(Default)]
+    struct Watched {
+        serves: AtomicUsize,
+        cq: std::sync::OnceLock<Weak<CqInner<FakeDevice, Watched>>>,
+    }
+
+    impl CompletionTarget<FakeDevice> for Watched {
+        fn on_completion(
+            self: &Arc<Self>,
+            _cq: &CqInner<FakeDevice, Self>,
+            _st: &mut CqState<Self>,
+            _wc: &Wc,
+        ) {
+        }
+
+        fn serve(self: &Arc<Self>) {
+            // The queue's lock is free again (taking it under itself would deadlock, or
+            // trip the lock-order check of debug builds).
+            self.cq.get().and_then(Weak::upgrade).unwrap().reap();
+            self.serves.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    #[test]
+    fn polls_look_at_one_area_each_in_turn_and_serve_outside_the_lock() {
+        use crate::emu::{EmuWatch, REPLY_OFF, REQ_OFF};
+        let cq =
+            Arc::new(CqInner::<FakeDevice, Watched>::new(FakeDevice::default(), 8, 0).unwrap());
+        let target = || {
+            let t = Arc::new(Watched::default());
+            t.cq.set(Arc::downgrade(&cq)).ok().unwrap();
+            let area = Arc::new(fabric_api::Buffer::new(4096));
+            let w = Arc::new(EmuWatch::new(area.clone()));
+            cq.lock().looked.push((w.clone(), Arc::downgrade(&t)));
+            (t, (w, area))
+        };
+        let ((busy, (bw, ba)), (idle, (iw, ia))) = (target(), target());
+        let seq = |a: &fabric_api::Buffer, off: usize, v: u64| {
+            a.atomic_u64(off)
+                .unwrap()
+                .store(v.to_le(), Ordering::Release)
+        };
+        // A request of the peer waits in the first area (the next after the one served).
+        seq(&ba, REQ_OFF, 1);
+        let mut out = Vec::new();
+        let looked = |w: &EmuWatch| w.looked.swap(false, Ordering::AcqRel);
+        assert_eq!(cq.poll_ready(&mut out, 8), 0);
+        assert!(looked(&bw) && !looked(&iw), "one area per poll");
+        assert_eq!(cq.poll_ready(&mut out, 8), 0);
+        assert!(!looked(&bw) && looked(&iw), "the next in turn");
+        let count = |t: &Watched| t.serves.load(Ordering::Acquire);
+        assert_eq!((count(&busy), count(&idle)), (1, 0));
+        // Served: nothing waits there any more. A reply to the second one's atomic does.
+        bw.served.store(1, Ordering::Release);
+        iw.wait.store(3, Ordering::Release);
+        seq(&ia, REPLY_OFF, 2);
+        for _ in 0..2 {
+            cq.poll_ready(&mut out, 8);
+        }
+        assert_eq!((count(&busy), count(&idle)), (1, 0), "a stale reply");
+        seq(&ia, REPLY_OFF, 3);
+        for _ in 0..2 {
+            cq.poll_ready(&mut out, 8);
+        }
+        assert_eq!((count(&busy), count(&idle)), (1, 1));
+        // A target that is gone leaves the list at its turn; the rest is looked at on.
+        drop(idle);
+        for _ in 0..2 {
+            cq.poll_ready(&mut out, 8);
+        }
+        assert_eq!(cq.lock().looked.len(), 1);
+        assert!(looked(&bw));
     }
 }

@@ -9,7 +9,8 @@
 //! The domain's helper thread (the one that already retries held sends and probes dead
 //! peers) polls the request slots of the domain's emulating endpoints, adaptively (without
 //! sleeping while atomics flow and for [`SPIN`] after, then backing off to [`POLL_MAX`] when
-//! idle), checks the key (a region registered with REMOTE_ATOMIC in that domain, see
+//! idle, or to [`POLL_STRETCH`] while the application's own polls look at the areas and
+//! serve what they find), checks the key (a region registered with REMOTE_ATOMIC in that domain, see
 //! [`AtomicKeys`]), the bounds and the alignment, and runs the operation with the same
 //! `AtomicU64` on the same 8-byte word that every framework atomic on the word uses
 //! (`Buffer::atomic_u64`). The initiator's helper thread sees the reply in its reply slot,
@@ -19,7 +20,7 @@
 //! puts both endpoints in the error state: the target disconnects once its reply left.
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -35,9 +36,68 @@ pub(crate) const POLL_MIN: Duration = Duration::from_micros(20);
 /// yields between passes) after the last sign of an atomic in flight: a sleep on a timer
 /// costs a millisecond or more on a loaded or emulated machine, more than the atomic.
 pub(crate) const SPIN: Duration = Duration::from_millis(1);
-/// The helper thread's slowest poll of the emulation areas (idle): the latency an atomic
-/// arriving at an idle target waits at most before it is executed.
+/// The helper thread's slowest poll of the emulation areas (idle) while the application
+/// does not poll: the latency an atomic arriving at an idle target waits at most before it
+/// is executed.
 pub(crate) const POLL_MAX: Duration = Duration::from_millis(2);
+/// The helper thread's slowest poll of the emulation areas while every area was looked
+/// at by a poll of its application since the helper's last pass (`EpCore::emu_look`: a
+/// poll that finds a request or a reply serves it itself). Each wake-up of the helper
+/// costs a spinning application its CPU for a moment: at the 2 ms pace, the 8-byte read
+/// ping-pong on siw ran 1.5x slower at its median than with no helper pass (an A/B of the
+/// pace in one soft-RDMA boot, BENCHMARKS.md). The price: an atomic arriving just as its
+/// target's application stopped polling waits up to about twice this once.
+pub(crate) const POLL_STRETCH: Duration = Duration::from_millis(32);
+
+/// What a poll of the application compares with an endpoint's emulation area without the
+/// endpoint's lock: the ledger's emulation state (kept equal to it under that lock) and
+/// the area. A completion queue lists the watches of its endpoints (`CqState::looked`) and
+/// every poll looks at one of them in turn; a look that finds a request or a reply has the
+/// endpoint serve it (`EpCore::poll_emu`) once the queue's lock is released. While every
+/// area was looked at since the helper's last pass, the helper looks only every
+/// [`POLL_STRETCH`]. A look is a few loads and a store: no read-modify-write, which the
+/// soft-RDMA guest's emulated CPUs make expensive (a look that took and dropped a counted
+/// reference per poll made the 8-byte write ping-pong slower, not faster: BENCHMARKS.md).
+#[derive(Debug)]
+pub(crate) struct EmuWatch {
+    /// Our emulation area (the peer writes into it).
+    area: Arc<Buffer>,
+    /// The peer's last request we served (`Ledger::amo_served`).
+    pub served: AtomicU64,
+    /// Our atomic waiting for its reply (`Ledger::amo_wait`; 0: none, sequence numbers
+    /// start at 1).
+    pub wait: AtomicU64,
+    /// A poll looked at the area since the helper last asked.
+    pub looked: AtomicBool,
+}
+
+impl EmuWatch {
+    /// The watch of the emulation area `area`.
+    pub fn new(area: Arc<Buffer>) -> EmuWatch {
+        EmuWatch {
+            area,
+            served: AtomicU64::new(0),
+            wait: AtomicU64::new(0),
+            looked: AtomicBool::new(false),
+        }
+    }
+
+    /// A poll's look: whether the reply to our atomic or the peer's next request waits in
+    /// the area (a hint: only the sequence words are compared; `poll_emu` checks the
+    /// record). Notes the look for the helper.
+    pub fn look(&self) -> bool {
+        let seq = |off| {
+            self.area
+                .atomic_u64(off)
+                .map_or(0, |w| u64::from_le(w.load(Ordering::Acquire)))
+        };
+        let wait = self.wait.load(Ordering::Acquire);
+        let due = (wait != 0 && seq(REPLY_OFF) == wait)
+            || seq(REQ_OFF) == self.served.load(Ordering::Acquire).wrapping_add(1);
+        self.looked.store(true, Ordering::Release);
+        due
+    }
+}
 
 /// The keys of a domain that grant emulated atomics (regions registered with
 /// REMOTE_ATOMIC): remote key to the region's memory. A key leaves the map when it is

@@ -26,7 +26,7 @@ use fabric_api::{
 
 use crate::cq::{CompletionTarget, CqInner, CqState};
 use crate::domain::DomainInner;
-use crate::emu::{self, AmoOp, AmoReply, AmoReq, ExtDesc, ImmRec};
+use crate::emu::{self, AmoOp, AmoReply, AmoReq, EmuWatch, ExtDesc, ImmRec};
 use crate::ffi::{self, CmId, HwCq, HwOp, HwWr, Inline, Mr, Sge, Sges, Wc};
 use crate::status::{self, wc};
 use crate::sync::{Rank, Ranked, RankedGuard};
@@ -261,6 +261,9 @@ pub(crate) struct EmuLink {
     pub slots: u32,
     /// The peer's area.
     pub peer: ExtDesc,
+    /// What the application's polls look at without the ledger's lock (listed in both
+    /// completion queues' `CqState::looked`).
+    pub watch: Arc<EmuWatch>,
 }
 
 impl EmuLink {
@@ -297,6 +300,7 @@ impl EmuLink {
                     "emulation of atomics and immediate data on"
                 );
                 Some(EmuLink {
+                    watch: Arc::new(EmuWatch::new(buf.clone())),
                     buf,
                     _mr: mr,
                     slots,
@@ -896,7 +900,14 @@ impl EpCore {
         if core.dom.dead_peer.is_some() && !core.foreign {
             core.dom.rnr.watch(Arc::downgrade(&core));
         }
-        if core.emu.is_some() {
+        if let Some(e) = &core.emu {
+            // Served by the helper, and looked at by the application's polls of either
+            // queue (`EmuWatch::look`), which let the helper look less often.
+            let entry = || (e.watch.clone(), Arc::downgrade(&core));
+            core.send_cq.lock().looked.push(entry());
+            if !Arc::ptr_eq(&core.send_cq, &core.recv_cq) {
+                core.recv_cq.lock().looked.push(entry());
+            }
             core.dom.rnr.serve(Arc::downgrade(&core));
         }
         if let Some(t) = core.dom.profile.min_rnr_timer {
@@ -1799,7 +1810,7 @@ impl EpCore {
                     a.seq = seq;
                 }
                 l.amo_sent = seq;
-                l.amo_wait = Some(seq);
+                self.set_amo_wait(l, Some(seq));
                 self.dom.rnr.hurry();
             }
         }
@@ -2316,18 +2327,26 @@ impl EpCore {
 
     // ----- emulated atomics (see `crate::emu`) ---------------------------------------
 
-    /// Serves the emulation of atomics (called by the domain's helper thread, no lock
-    /// held): completes our atomic whose reply arrived and executes the peer's request.
-    /// Returns whether there is work in flight (poll again soon) and whether to keep
-    /// serving the endpoint.
-    pub fn poll_emu(self: &Arc<Self>) -> (bool, bool) {
+    /// Sets the atomic waiting for its reply, in the ledger and in what polls look at.
+    fn set_amo_wait(&self, l: &mut Ledger, wait: Option<u64>) {
+        l.amo_wait = wait;
+        if let Some(e) = &self.emu {
+            e.watch.wait.store(wait.unwrap_or(0), Ordering::Release);
+        }
+    }
+
+    /// Serves the emulation of atomics (called by the domain's helper thread, and by a
+    /// poll of the application whose look found work, `EmuWatch::look`; no lock held):
+    /// completes our atomic whose reply arrived and executes the peer's request.
+    pub fn poll_emu(self: &Arc<Self>) -> EmuPass {
         let Some(e) = &self.emu else {
-            return (false, false);
+            return EmuPass::default();
         };
+        let covered = e.watch.looked.swap(false, Ordering::AcqRel);
         let (wait, killing, served, keep) = {
             let l = self.lock();
             if l.torn_down {
-                return (false, false);
+                return EmuPass::default();
             }
             (
                 l.amo_wait,
@@ -2353,9 +2372,17 @@ impl EpCore {
         }
         if !busy {
             // Nothing done: the look under the lock above still holds.
-            return (false, keep);
+            return EmuPass {
+                busy,
+                keep,
+                covered,
+            };
         }
-        (busy, Self::served(&self.lock()))
+        EmuPass {
+            busy,
+            keep: Self::served(&self.lock()),
+            covered,
+        }
     }
 
     /// Whether the helper keeps serving the endpoint's emulation: while it is connected,
@@ -2381,7 +2408,7 @@ impl EpCore {
             return;
         };
         let mut r = l.sq.remove(pos).expect("position is valid");
-        l.amo_wait = None;
+        self.set_amo_wait(&mut l, None);
         l.progress = l.progress.wrapping_add(1);
         let Some(u) = r.user.take() else {
             return;
@@ -2452,6 +2479,7 @@ impl EpCore {
         let result = self.dom.atomic_keys.execute(&req);
         tracing::trace!(qp = self.qpn, seq = req.seq, op = ?req.op, addr = req.addr, rkey = req.rkey, ?result, "emulated atomic executed");
         l.amo_served = req.seq;
+        e.watch.served.store(req.seq, Ordering::Release);
         l.progress = l.progress.wrapping_add(1);
         let seq = l.next_seq;
         l.next_seq += 1;
@@ -2998,7 +3026,7 @@ impl EpCore {
                 }
                 if let Some(EmuRec::Amo(a)) = &r.emu {
                     if l.amo_wait == Some(a.seq) {
-                        l.amo_wait = None;
+                        self.set_amo_wait(&mut l, None);
                     }
                 }
                 if l.kill_after == Some(r.seq) {
@@ -3242,7 +3270,7 @@ impl EpCore {
             // the connection ended (the peer refused it and disconnected, as RC hardware
             // would): report that, not a flush.
             if a.sent && l.amo_wait == Some(a.seq) {
-                l.amo_wait = None;
+                self.set_amo_wait(l, None);
                 match AmoReply::read(&link.buf).filter(|x| x.seq == a.seq) {
                     Some(AmoReply {
                         result: Ok(old), ..
@@ -3579,6 +3607,10 @@ impl CompletionTarget<HwCq> for EpCore {
         self.handle_completion(cq, st, wc);
     }
 
+    fn serve(self: &Arc<Self>) {
+        self.poll_emu();
+    }
+
     /// A send whose delivery read is held back: completed once the peer's count confirms
     /// it, else the read released when it can wait no longer; then what waited behind it
     /// is posted.
@@ -3596,6 +3628,18 @@ impl CompletionTarget<HwCq> for EpCore {
         l.watched = l.deferred.is_some_and(|d| !d.released);
         l.watched
     }
+}
+
+/// What a pass of [`EpCore::poll_emu`] found.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct EmuPass {
+    /// Work is in flight: look again soon.
+    pub busy: bool,
+    /// Keep serving the endpoint.
+    pub keep: bool,
+    /// A poll of the application looked at the area since the previous pass
+    /// (`EmuWatch::look`).
+    pub covered: bool,
 }
 
 /// What posting the first unposted group did.
