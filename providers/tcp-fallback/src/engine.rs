@@ -288,8 +288,8 @@ impl<P: Poller> PollSet<P> {
 
     /// Has `conn`, which wrote its hello mark at `start` ([`now_ns`]), repeat it at the
     /// times of [`HELLO_REPEATS`] (see there) from this set: its progress thread (mode
-    /// `auto`, the domain's set) or, with no thread, the application's looks at it (a
-    /// completion queue's set).
+    /// `auto`, the domain's set) or, with no thread, the application's looks at it (both
+    /// completion queues' sets; each repeat is written once).
     pub fn note_hello(&self, conn: &Arc<Conn>, start: u64) {
         let r = HelloRepeat {
             conn: Arc::downgrade(conn),
@@ -321,7 +321,7 @@ impl<P: Poller> PollSet<P> {
         }
         // No set lock is held while connections run (they take their own locks).
         due.retain_mut(|r| {
-            let again = r.conn.upgrade().is_some_and(|c| c.repeat_hello());
+            let again = r.conn.upgrade().is_some_and(|c| c.repeat_hello(r.next));
             r.next += 1;
             again && r.next < HELLO_REPEATS.len()
         });

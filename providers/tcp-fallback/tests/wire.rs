@@ -923,6 +923,18 @@ fn responder_runs_credits_with_an_iwarp_provider_peer() {
 fn dial_iwarp_listener(user: Vec<u8>) -> (TcpDomain, TcpCq, TcpEndpoint, TcpStream) {
     let domain = TcpDomain::open(TcpOptions::default()).unwrap();
     let cq = domain.create_cq(64).unwrap();
+    let (ep, raw) = dial_iwarp_listener_on(&domain, &cq, &cq, user);
+    (domain, cq, ep, raw)
+}
+
+/// [`dial_iwarp_listener`] from `domain`, with the endpoint's sends completing on
+/// `send_cq` and its receives on `recv_cq`.
+fn dial_iwarp_listener_on(
+    domain: &TcpDomain,
+    send_cq: &TcpCq,
+    recv_cq: &TcpCq,
+    user: Vec<u8>,
+) -> (TcpEndpoint, TcpStream) {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let t = std::thread::spawn(move || {
@@ -957,12 +969,73 @@ fn dial_iwarp_listener(user: Vec<u8>) -> (TcpDomain, TcpCq, TcpEndpoint, TcpStre
         s.write_all(&rep.encode()).unwrap();
         s
     });
-    let mut cfg = EndpointConfig::new(&cq);
+    let mut cfg = EndpointConfig::new(send_cq);
+    cfg.recv_cq = recv_cq;
     cfg.private_data = b"cli";
     let ep = domain.connect(addr, &cfg).unwrap();
     let raw = t.join().unwrap();
     assert_eq!(ep.peer_private_data(), b"srv");
-    (domain, cq, ep, raw)
+    (ep, raw)
+}
+
+#[test]
+fn manual_progress_repeats_the_hello_from_either_queue_once_each() {
+    use fabric_api::pdata::{self, area};
+    let peer = pdata::AreaDesc {
+        addr: 0x6000_0000,
+        stag: 0x1717,
+    };
+    let domain = TcpDomain::open(TcpOptions {
+        progress: fabric_tcp::ProgressMode::Manual,
+        ..TcpOptions::default()
+    })
+    .unwrap();
+    let (scq, rcq) = (domain.create_cq(64).unwrap(), domain.create_cq(64).unwrap());
+    let before = Instant::now();
+    let (_ep, mut raw) =
+        dial_iwarp_listener_on(&domain, &scq, &rcq, pdata::frame(b"srv", Some(peer)));
+    let hello = (peer.stag, peer.addr + area::HELLO as u64);
+    let is_hello = |h: &Header, payload: &[u8]| {
+        matches!(h, Header::Tagged { opcode: opcode::WRITE, stag, to, .. } if (*stag, *to) == hello)
+            && payload == 1u64.to_ne_bytes()
+    };
+    // The area's descriptor, the mark, the fillers.
+    let mut marks = 0;
+    for _ in 0..6 {
+        let (h, payload) = read_fpdu(&mut raw);
+        marks += usize::from(is_hello(&h, &payload));
+    }
+    assert_eq!(marks, 1);
+    // No thread: the repeats come from the application's looks, at either queue, each
+    // written once although both queues' sets hold it. Up to 400 ms after the connect
+    // began (at least 50 ms after the fillers came, on a loaded machine), the repeats due
+    // at 20 ms and 100 ms after the mark (the next is due at 500 ms).
+    let end = (before + Duration::from_millis(400)).max(Instant::now() + Duration::from_millis(50));
+    let mut repeats = 0;
+    let mut out = Vec::new();
+    raw.set_read_timeout(Some(Duration::from_millis(10)))
+        .unwrap();
+    while Instant::now() < end {
+        scq.poll(&mut out, 8).unwrap();
+        rcq.poll(&mut out, 8).unwrap();
+        let mut len = [0u8; 2];
+        match raw.read(&mut len[..1]) {
+            Ok(1) => {
+                raw.read_exact(&mut len[1..]).unwrap();
+                let (h, payload) = read_fpdu_rest(&mut raw, len);
+                assert!(is_hello(&h, &payload), "{h:?}");
+                repeats += 1;
+            }
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(
+        (1..=2).contains(&repeats),
+        "{repeats} repeats in the window"
+    );
 }
 
 #[test]

@@ -290,8 +290,9 @@ struct State {
     amo_wait: Option<u64>,
     amo_served: u64,
     /// Nothing but our hello mark, its filler sends and its repeats was transmitted yet
-    /// (see [`crate::engine::HELLO_REPEATS`]).
+    /// (see [`crate::engine::HELLO_REPEATS`]), and how many repeats were.
     hello_only: bool,
+    hello_repeats: usize,
 }
 
 /// The shared state of one connection.
@@ -403,6 +404,7 @@ impl Conn {
                 amo_wait: None,
                 amo_served: 0,
                 hello_only: false,
+                hello_repeats: 0,
             }),
             tx: Mutex::new(TxQueue::default()),
             rx: Mutex::new(Rx::new(crc)),
@@ -469,22 +471,29 @@ impl Conn {
             st.hello_only = true;
             drop(st);
             // The mark may have reached siw before it listens to the socket: repeated until
-            // anything else is sent (see `HELLO_REPEATS`).
-            let set = match self.engine.mode {
-                crate::engine::ProgressMode::Auto => self.engine.set.as_ref(),
-                crate::engine::ProgressMode::Manual => self.send_cq.set(),
-            };
-            set.note_hello(self, crate::engine::now_ns());
+            // anything else is sent (see `HELLO_REPEATS`), by the progress thread, or with
+            // none by the application's looks at either completion queue.
+            let now = crate::engine::now_ns();
+            match self.engine.mode {
+                crate::engine::ProgressMode::Auto => self.engine.set.note_hello(self, now),
+                crate::engine::ProgressMode::Manual => {
+                    self.send_cq.set().note_hello(self, now);
+                    if !std::ptr::eq(self.send_cq.set(), self.recv_cq.set()) {
+                        self.recv_cq.set().note_hello(self, now);
+                    }
+                }
+            }
         }
         self.progress();
         Ok(())
     }
 
-    /// Writes our hello mark into the peer's area again (see
+    /// Writes our hello mark into the peer's area for the `n`-th time again (see
     /// [`crate::engine::HELLO_REPEATS`]) unless anything else was transmitted since it was
-    /// first written or the connection left the connected state. Returns whether it did
-    /// (whether to go on repeating).
-    pub fn repeat_hello(&self) -> bool {
+    /// first written or the connection left the connected state; a repeat that another
+    /// poll set already wrote (both completion queues' in manual mode) is not written
+    /// twice. Returns whether to go on repeating.
+    pub fn repeat_hello(&self, n: usize) -> bool {
         let Some(area) = self.neg.peer_area else {
             return false;
         };
@@ -492,9 +501,13 @@ impl Conn {
         if st.status != EndpointState::Connected || !st.hello_only {
             return false;
         }
+        if st.hello_repeats > n {
+            return true;
+        }
         tracing::debug!(peer = %self.peer, "hello mark repeated");
         self.mark_peer_area(&mut st, area, pdata::area::HELLO);
         st.hello_only = true;
+        st.hello_repeats = n + 1;
         true
     }
 
