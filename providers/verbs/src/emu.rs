@@ -10,8 +10,8 @@
 //! peers) polls the request slots of the domain's emulating endpoints, adaptively (without
 //! sleeping while atomics flow and for [`SPIN`] after, then backing off to [`POLL_MAX`] when
 //! idle, or to [`POLL_STRETCH`] while the application's own polls look at the areas and
-//! serve what they find), checks the key (a region registered with REMOTE_ATOMIC in that domain, see
-//! [`AtomicKeys`]), the bounds and the alignment, and runs the operation with the same
+//! serve what they find, see [`EmuWatch`]), checks the key (a region registered with
+//! REMOTE_ATOMIC in that domain, see [`AtomicKeys`]), the bounds and the alignment, and runs the operation with the same
 //! `AtomicU64` on the same 8-byte word that every framework atomic on the word uses
 //! (`Buffer::atomic_u64`). The initiator's helper thread sees the reply in its reply slot,
 //! stores the old value into the application's result buffer and completes the request.
@@ -41,7 +41,7 @@ pub(crate) const SPIN: Duration = Duration::from_millis(1);
 /// is executed.
 pub(crate) const POLL_MAX: Duration = Duration::from_millis(2);
 /// The helper thread's slowest poll of the emulation areas while every area was looked
-/// at by a poll of its application since the helper's last pass (`EpCore::emu_look`: a
+/// at by a poll of its application since the helper's last pass ([`EmuWatch::look`]: a
 /// poll that finds a request or a reply serves it itself). Each wake-up of the helper
 /// costs a spinning application its CPU for a moment: at the 2 ms pace, the 8-byte read
 /// ping-pong on siw ran 1.5x slower at its median than with no helper pass (an A/B of the
@@ -80,6 +80,11 @@ impl EmuWatch {
             wait: AtomicU64::new(0),
             looked: AtomicBool::new(false),
         }
+    }
+
+    /// Our emulation area.
+    pub fn area(&self) -> &Buffer {
+        &self.area
     }
 
     /// A poll's look: whether the reply to our atomic or the peer's next request waits in

@@ -253,9 +253,8 @@ impl CreditArea {
 /// our emulation area and the peer's (see [`crate::emu`]).
 #[derive(Debug)]
 pub(crate) struct EmuLink {
-    /// Our area (the peer writes into it), and its registration (alive as long as the
-    /// endpoint).
-    pub buf: Arc<Buffer>,
+    /// Our area's registration (alive as long as the endpoint; the area itself is the
+    /// watch's, [`EmuWatch::area`]).
     _mr: Mr,
     /// Immediate-data slots in our area.
     pub slots: u32,
@@ -300,8 +299,7 @@ impl EmuLink {
                     "emulation of atomics and immediate data on"
                 );
                 Some(EmuLink {
-                    watch: Arc::new(EmuWatch::new(buf.clone())),
-                    buf,
+                    watch: Arc::new(EmuWatch::new(buf)),
                     _mr: mr,
                     slots,
                     peer: p,
@@ -2357,7 +2355,7 @@ impl EpCore {
         };
         let mut busy = wait.is_some() || killing;
         if let Some(seq) = wait {
-            if let Some(reply) = AmoReply::read(&e.buf).filter(|r| r.seq == seq) {
+            if let Some(reply) = AmoReply::read(e.watch.area()).filter(|r| r.seq == seq) {
                 self.complete_amo(reply);
             }
         }
@@ -2366,7 +2364,8 @@ impl EpCore {
             // disconnects (the target application may never poll).
             self.send_cq.reap();
         }
-        if let Some(req) = AmoReq::read(&e.buf).filter(|r| r.seq == served.wrapping_add(1)) {
+        if let Some(req) = AmoReq::read(e.watch.area()).filter(|r| r.seq == served.wrapping_add(1))
+        {
             self.serve_amo(e, req);
             busy = true;
         }
@@ -2702,7 +2701,7 @@ impl EpCore {
             && self
                 .emu
                 .as_ref()
-                .is_some_and(|e| area_word(&e.buf, emu::MODE_OFF) == emu::MODE_LAZY)
+                .is_some_and(|e| area_word(e.watch.area(), emu::MODE_OFF) == emu::MODE_LAZY)
     }
 
     /// Tells the peer whether its credit updates may be batched (`lazy`: the request
@@ -2971,7 +2970,12 @@ impl EpCore {
                 self.note_blocked(&mut l);
             }
             if let (false, Some(e)) = (failed, &self.emu) {
-                match ImmRec::read(&e.buf, e.slots, ordinal, self.dom.limits.max_msg_size) {
+                match ImmRec::read(
+                    e.watch.area(),
+                    e.slots,
+                    ordinal,
+                    self.dom.limits.max_msg_size,
+                ) {
                     Some(rec) if rec.kind == emu::IMM_WRITE && w.byte_len == 0 => {
                         opcode = Opcode::RecvWriteWithImm;
                         byte_len = rec.len;
@@ -3271,7 +3275,7 @@ impl EpCore {
             // would): report that, not a flush.
             if a.sent && l.amo_wait == Some(a.seq) {
                 self.set_amo_wait(l, None);
-                match AmoReply::read(&link.buf).filter(|x| x.seq == a.seq) {
+                match AmoReply::read(link.watch.area()).filter(|x| x.seq == a.seq) {
                     Some(AmoReply {
                         result: Ok(old), ..
                     }) => {
