@@ -87,7 +87,7 @@ pub(crate) struct PerfArgs {
     /// Block in the completion queue's wait instead of busy polling.
     #[arg(long, conflicts_with = "spin")]
     wait: bool,
-    /// Busy poll without yielding the CPU between empty polls.
+    /// Busy poll without yielding the CPU (or pausing) between empty polls.
     #[arg(long)]
     spin: bool,
     /// What a send's or write's completion means: `delivery`, its data is at the target
@@ -158,7 +158,13 @@ enum Format {
 pub(crate) enum Mode {
     /// Poll; `sched_yield` when the queue is empty.
     Busy,
-    /// Poll in a tight loop.
+    /// Poll in a tight loop, as perftest's `_lat` tools and `fi_pingpong` poll: the next
+    /// poll follows an empty one at once, with no `pause` (`std::hint::spin_loop`) between.
+    /// A pause is a courtesy to a hyperthread sibling on hardware; under QEMU's TCG (the
+    /// soft-RDMA guest) it ends the translated block and returns to the emulator's loop,
+    /// which takes its global lock each time: without it the 8-byte write ping-pongs and
+    /// roce's send ping-pong ran 13-28% faster there, reads and atomics unchanged
+    /// (BENCHMARKS.md, twenty-eighth session).
     Spin,
     /// Block in `CqOps::wait`.
     Block,
@@ -168,7 +174,7 @@ impl Mode {
     fn describe(self) -> &'static str {
         match self {
             Mode::Busy => "busy polling (poll; sched_yield when empty)",
-            Mode::Spin => "busy polling (poll in a tight loop, no yield)",
+            Mode::Spin => "busy polling (poll in a tight loop, no yield or pause)",
             Mode::Block => "blocking wait (CqOps::wait between polls)",
         }
     }

@@ -272,7 +272,8 @@ impl<'a> Reaper<'a> {
     ) -> Result<(), String> {
         match mode {
             Mode::Busy => std::thread::yield_now(),
-            Mode::Spin => std::hint::spin_loop(),
+            // No pause instruction: see `Mode::Spin`.
+            Mode::Spin => {}
             Mode::Block => {
                 self.cq
                     .wait(Duration::from_millis(500))

@@ -82,7 +82,8 @@ fn next_recv(
         }
         match mode {
             Mode::Busy => std::thread::yield_now(),
-            Mode::Spin => std::hint::spin_loop(),
+            // No pause instruction: see `Mode::Spin`.
+            Mode::Spin => {}
             Mode::Block => {
                 ep.wait(Duration::from_millis(100)).map_err(e("wait"))?;
             }
