@@ -513,17 +513,14 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
             if busy {
                 last_busy = Instant::now();
             }
-            // Spin (yielding) while atomics flow and a little after; then back off, and
-            // further while the applications' polls look at every area themselves.
-            let slowest = if covered {
-                crate::emu::POLL_STRETCH
-            } else {
-                crate::emu::POLL_MAX
-            };
-            emu_delay = if last_busy.elapsed() < crate::emu::SPIN {
+            // Spin (yielding) while atomics flow and a little after; then back off, the
+            // further the longer none came, and furthest while the applications' polls
+            // look at every area themselves.
+            let quiet = last_busy.elapsed();
+            emu_delay = if quiet < crate::emu::SPIN {
                 Duration::ZERO
             } else {
-                (emu_delay * 2).clamp(crate::emu::POLL_MIN, slowest)
+                (emu_delay * 2).clamp(crate::emu::POLL_MIN, crate::emu::slowest(quiet, covered))
             };
             next_serve = Instant::now() + emu_delay;
             s.lists

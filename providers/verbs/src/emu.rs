@@ -9,7 +9,8 @@
 //! The domain's helper thread (the one that already retries held sends and probes dead
 //! peers) polls the request slots of the domain's emulating endpoints, adaptively (without
 //! sleeping while atomics flow and for [`SPIN`] after, then backing off to [`POLL_MAX`] when
-//! idle, or to [`POLL_STRETCH`] while the application's own polls look at the areas and
+//! idle, slower the longer no atomic came ([`QUIET_SHARE`], up to [`POLL_STRETCH`]), and to
+//! [`POLL_STRETCH`] at once while the application's own polls look at the areas and
 //! serve what they find, see [`EmuWatch`]), checks the key (a region registered with
 //! REMOTE_ATOMIC in that domain, see [`AtomicKeys`]), the bounds and the alignment, and runs the operation with the same
 //! `AtomicU64` on the same 8-byte word that every framework atomic on the word uses
@@ -36,18 +37,38 @@ pub(crate) const POLL_MIN: Duration = Duration::from_micros(20);
 /// yields between passes) after the last sign of an atomic in flight: a sleep on a timer
 /// costs a millisecond or more on a loaded or emulated machine, more than the atomic.
 pub(crate) const SPIN: Duration = Duration::from_millis(1);
-/// The helper thread's slowest poll of the emulation areas (idle) while the application
-/// does not poll: the latency an atomic arriving at an idle target waits at most before it
-/// is executed.
+/// The helper thread's slowest poll of the emulation areas while the application does not
+/// poll and its domain saw an atomic in the last `POLL_MAX * QUIET_SHARE` (32 ms): the
+/// latency an atomic arriving at such a target waits at most before it is executed.
 pub(crate) const POLL_MAX: Duration = Duration::from_millis(2);
+/// Past that, the helper's slowest pace is this share of the time since its domain's last
+/// atomic (up to [`POLL_STRETCH`]): an atomic arriving at a target whose application does
+/// not poll waits at most a sixteenth of how long the target's domain went without one.
+/// Each pass of the helper wakes a thread that takes a CPU from whatever runs: at the 2 ms
+/// pace, the 8-byte read ping-pong on siw (whose target application waits, and never
+/// polls) ran at 2.03x `ib_read_lat` at its median, and 1.46x with the helper slowed to
+/// a stop (an A/B in one soft-RDMA boot, BENCHMARKS.md, twenty-eighth session).
+pub(crate) const QUIET_SHARE: u32 = 16;
 /// The helper thread's slowest poll of the emulation areas while every area was looked
 /// at by a poll of its application since the helper's last pass ([`EmuWatch::look`]: a
-/// poll that finds a request or a reply serves it itself). Each wake-up of the helper
-/// costs a spinning application its CPU for a moment: at the 2 ms pace, the 8-byte read
-/// ping-pong on siw ran 1.5x slower at its median than with no helper pass (an A/B of the
-/// pace in one soft-RDMA boot, BENCHMARKS.md). The price: an atomic arriving just as its
-/// target's application stopped polling waits up to about twice this once.
+/// poll that finds a request or a reply serves it itself); also the slowest pace of a
+/// long-quiet domain ([`QUIET_SHARE`]). Each wake-up of the helper costs a spinning
+/// application its CPU for a moment: at the 2 ms pace, the 8-byte transmit-complete write
+/// ping-pong on siw ran at 1.30x `ib_write_lat` and 1.07x with this (BENCHMARKS.md,
+/// twenty-seventh session). The price: an atomic arriving just as its target's
+/// application stopped polling waits up to about twice this once.
 pub(crate) const POLL_STRETCH: Duration = Duration::from_millis(32);
+
+/// The helper thread's slowest pace of looking at the emulation areas, `quiet` after its
+/// domain's last atomic: [`POLL_STRETCH`] while the applications' polls look at every
+/// area (`covered`), else `quiet / QUIET_SHARE` between [`POLL_MAX`] and [`POLL_STRETCH`].
+pub(crate) fn slowest(quiet: Duration, covered: bool) -> Duration {
+    if covered {
+        POLL_STRETCH
+    } else {
+        (quiet / QUIET_SHARE).clamp(POLL_MAX, POLL_STRETCH)
+    }
+}
 
 /// What a poll of the application compares with an endpoint's emulation area without the
 /// endpoint's lock: the ledger's emulation state (kept equal to it under that lock) and
@@ -151,6 +172,19 @@ impl AtomicKeys {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_helper_slows_with_the_quiet_and_stretches_while_polls_look() {
+        let ms = Duration::from_millis;
+        // Polls look at every area: the stretched pace, however recent the last atomic.
+        assert_eq!(slowest(ms(0), true), POLL_STRETCH);
+        // Nobody polls: 2 ms while atomics came lately, then a sixteenth of the quiet.
+        assert_eq!(slowest(ms(0), false), POLL_MAX);
+        assert_eq!(slowest(ms(32), false), POLL_MAX);
+        assert_eq!(slowest(ms(160), false), ms(10));
+        assert_eq!(slowest(ms(512), false), POLL_STRETCH);
+        assert_eq!(slowest(Duration::from_secs(3600), false), POLL_STRETCH);
+    }
 
     #[test]
     fn atomics_check_key_bounds_alignment_and_wrap() {
