@@ -109,11 +109,14 @@ pub(crate) fn now_ns() -> u64 {
 /// arrive in between raise no event it acts on. They wait in the socket until the next
 /// segment comes, so a hello mark (and its filler sends) written right upon the reply can
 /// sit there unseen, and the acceptor, which waits at most 5 s for the mark, takes us for
-/// a foreign stack (no credits, no emulation: seen as a rare conformance flake). Any later
-/// segment makes siw read the whole backlog, in order; a repeat of the mark (the same
-/// word, written again) is one that changes nothing else. Repeats stop once the
-/// application sent anything on the connection (its message does the same) or the
-/// connection left the connected state; all fall well within the acceptor's 5 s.
+/// a foreign stack (no credits, no emulation: seen as a rare conformance flake). So can a
+/// first message the application sent at once: an RDM endpoint's tagged message, which
+/// then never arrived (another rare flake, `rdm.endpoint_in_a_reused_address_is_another_peer`
+/// in `tcp --peer iwarp`). Any later segment makes siw read the whole backlog, in order; a
+/// repeat of the mark (the same word, written again) is one that changes nothing else.
+/// Every repeat is written, whatever else went out meanwhile (what went out may have been
+/// in that moment too), until the connection left the connected state; all fall well
+/// within the acceptor's 5 s, and they are four 8-byte writes per connection.
 pub(crate) const HELLO_REPEATS: [Duration; 4] = [
     Duration::from_millis(20),
     Duration::from_millis(100),

@@ -289,9 +289,8 @@ struct State {
     amo_sent: u64,
     amo_wait: Option<u64>,
     amo_served: u64,
-    /// Nothing but our hello mark, its filler sends and its repeats was transmitted yet
-    /// (see [`crate::engine::HELLO_REPEATS`]), and how many repeats were.
-    hello_only: bool,
+    /// How many repeats of our hello mark were written (see
+    /// [`crate::engine::HELLO_REPEATS`]).
     hello_repeats: usize,
 }
 
@@ -403,7 +402,6 @@ impl Conn {
                 amo_sent: 0,
                 amo_wait: None,
                 amo_served: 0,
-                hello_only: false,
                 hello_repeats: 0,
             }),
             tx: Mutex::new(TxQueue::default()),
@@ -468,11 +466,10 @@ impl Conn {
             for _ in 0..EARLY_FILLERS {
                 self.transmit(&mut st, empty_send());
             }
-            st.hello_only = true;
             drop(st);
-            // The mark may have reached siw before it listens to the socket: repeated until
-            // anything else is sent (see `HELLO_REPEATS`), by the progress thread, or with
-            // none by the application's looks at either completion queue.
+            // The mark (and whatever follows it at once) may have reached siw before it
+            // listens to the socket: repeated (see `HELLO_REPEATS`) by the progress thread,
+            // or with none by the application's looks at either completion queue.
             let now = crate::engine::now_ns();
             match self.engine.mode {
                 crate::engine::ProgressMode::Auto => self.engine.set.note_hello(self, now),
@@ -489,16 +486,15 @@ impl Conn {
     }
 
     /// Writes our hello mark into the peer's area for the `n`-th time again (see
-    /// [`crate::engine::HELLO_REPEATS`]) unless anything else was transmitted since it was
-    /// first written or the connection left the connected state; a repeat that another
-    /// poll set already wrote (both completion queues' in manual mode) is not written
-    /// twice. Returns whether to go on repeating.
+    /// [`crate::engine::HELLO_REPEATS`]) unless the connection left the connected state;
+    /// a repeat that another poll set already wrote (both completion queues' in manual
+    /// mode) is not written twice. Returns whether to go on repeating.
     pub fn repeat_hello(&self, n: usize) -> bool {
         let Some(area) = self.neg.peer_area else {
             return false;
         };
         let mut st = self.lock();
-        if st.status != EndpointState::Connected || !st.hello_only {
+        if st.status != EndpointState::Connected {
             return false;
         }
         if st.hello_repeats > n {
@@ -506,7 +502,6 @@ impl Conn {
         }
         tracing::debug!(peer = %self.peer, "hello mark repeated");
         self.mark_peer_area(&mut st, area, pdata::area::HELLO);
-        st.hello_only = true;
         st.hello_repeats = n + 1;
         true
     }
@@ -1172,7 +1167,6 @@ impl Conn {
         let seq = st.next_seq;
         st.next_seq += 1;
         st.sends_out += 1;
-        st.hello_only = false;
         let mut bytes = std::mem::take(&mut st.spare_bytes);
         bytes.clear();
         if st.acks_owed != [0; 2] {
@@ -1449,7 +1443,6 @@ impl Conn {
     /// Transmits `msgs` in order: encoded into one buffer and handed to the socket with
     /// one `send` when they are small and nothing is queued, else one by one.
     fn transmit_all(&self, st: &mut State, mut msgs: Vec<OutMsg>) {
-        st.hello_only = false;
         let small = msgs.iter().map(|m| m.payload.len()).sum::<usize>() <= DIRECT_LIMIT;
         let idle = {
             let tx = self.tx.lock().expect("tx poisoned");
@@ -1534,7 +1527,6 @@ impl Conn {
 
     /// Assigns the MSN and hands the message to the socket, or queues it behind others.
     fn transmit_one(&self, st: &mut State, mut m: OutMsg) {
-        st.hello_only = false;
         Self::number(st, &mut m);
         let mut tx = self.tx.lock().expect("tx poisoned");
         if tx.closed {
