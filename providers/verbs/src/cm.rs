@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use fabric_api::{Error, ErrorKind, Notifier};
 
-use crate::ep::EpCore;
+use crate::ep::{EpCore, Retry};
 use crate::ffi::{self, cm_event, CmEvent, CmId, EventChannel, EventFd};
 
 /// Events for one identifier, waited on with a deadline.
@@ -320,6 +320,8 @@ pub(crate) struct Rnr {
 struct RnrLists {
     /// Blocked (held-back work, owed credit updates) or dead with work to flush.
     blocked: Vec<Weak<EpCore>>,
+    /// An endpoint joined `blocked` since the thread last looked: it looks soon.
+    added: bool,
     /// Watched for signs of life.
     watched: Vec<Weak<EpCore>>,
     /// Served: emulated atomics (`EpCore::poll_emu`), polled adaptively.
@@ -367,12 +369,11 @@ impl Rnr {
     /// Registers a blocked endpoint (starting the thread on first use).
     pub fn add(&self, ep: Weak<EpCore>) {
         self.start();
-        self.shared
-            .lists
-            .lock()
-            .expect("rnr poisoned")
-            .blocked
-            .push(ep);
+        {
+            let mut l = self.shared.lists.lock().expect("rnr poisoned");
+            l.blocked.push(ep);
+            l.added = true;
+        }
         self.shared.cv.notify_all();
     }
 
@@ -437,10 +438,35 @@ impl Drop for Rnr {
     }
 }
 
+/// The RNR thread's slowest look at blocked endpoints while every one of them is blocked
+/// only for receives not yet announced (batched credit updates) and its application posted
+/// or filled receives since the previous look (`ep::Retry::Watching`); otherwise 2 ms.
+/// The look is for an application that stops while its peer is out of credit (it reaps
+/// the receive queue once nothing moved for `DEFER`): that peer then waits up to about
+/// twice this once. While the application works, its own posts and polls write the
+/// updates: looking every 2 ms woke this thread 500 times a second for nothing, each
+/// wake-up taking a vCPU from a spinning application in the soft-RDMA guest (an A/B:
+/// BENCHMARKS.md, twenty-eighth session).
+const WATCH_MAX: Duration = Duration::from_millis(32);
+
+/// The RNR thread's quickest look at blocked endpoints (after a change in the list).
+const BLOCKED_MIN: Duration = Duration::from_micros(100);
+/// Its slowest while any of them is blocked for more than receives not announced.
+const BLOCKED_MAX: Duration = Duration::from_millis(2);
+
+/// The RNR thread's next wait for its blocked endpoints after a look that took `delay`:
+/// back to the quickest when one of them `left` the list, else twice as long, up to
+/// [`BLOCKED_MAX`], or [`WATCH_MAX`] when every one left is `watching` (`Retry::Watching`).
+fn blocked_pace(delay: Duration, left: bool, watching: bool) -> Duration {
+    if left {
+        return BLOCKED_MIN;
+    }
+    (delay * 2).min(if watching { WATCH_MAX } else { BLOCKED_MAX })
+}
+
 fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
-    const MIN: Duration = Duration::from_micros(100);
-    const MAX: Duration = Duration::from_millis(2);
-    let mut delay = MIN;
+    let mut delay = BLOCKED_MIN;
+    let mut next_blocked = Instant::now();
     let mut next_watch = Instant::now();
     let mut emu_delay = crate::emu::POLL_MIN;
     let mut next_serve = Instant::now();
@@ -462,16 +488,25 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
                     last_busy = Instant::now();
                     next_serve = Instant::now();
                 }
+                let now = Instant::now();
+                if std::mem::take(&mut l.added) {
+                    // A newly blocked endpoint is looked at after the quickest pause.
+                    delay = BLOCKED_MIN;
+                    next_blocked = next_blocked.min(now + BLOCKED_MIN);
+                }
+                let blocked = !l.blocked.is_empty();
                 let watching = tick.is_some() && !l.watched.is_empty();
                 let serving = !l.served.is_empty();
-                let now = Instant::now();
-                if !l.blocked.is_empty()
+                if (blocked && now >= next_blocked)
                     || (watching && now >= next_watch)
                     || (serving && now >= next_serve)
                 {
                     break;
                 }
+                // Each list keeps its own pace: the emulation's is never held up by the
+                // blocked endpoints' (nor the reverse).
                 let until = [
+                    blocked.then_some(next_blocked),
                     watching.then_some(next_watch),
                     serving.then_some(next_serve),
                 ]
@@ -485,19 +520,18 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
                     }
                     None => s.cv.wait(l).expect("rnr poisoned"),
                 };
-                delay = MIN;
             }
-            if !l.blocked.is_empty() {
-                l = s.cv.wait_timeout(l, delay).expect("rnr poisoned").0;
-            }
-            if let Some(t) = tick.filter(|_| Instant::now() >= next_watch) {
-                next_watch = Instant::now() + t;
+            let now = Instant::now();
+            if let Some(t) = tick.filter(|_| now >= next_watch) {
+                next_watch = now + t;
                 watch.append(&mut l.watched);
             }
-            if Instant::now() >= next_serve {
+            if now >= next_serve {
                 serve.append(&mut l.served);
             }
-            batch.append(&mut l.blocked);
+            if now >= next_blocked {
+                batch.append(&mut l.blocked);
+            }
         }
         if !serve.is_empty() {
             let mut busy = false;
@@ -535,12 +569,19 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
         // No list lock is held while endpoints run (they take queue and endpoint locks).
         if !batch.is_empty() {
             let before = batch.len();
-            batch.retain(|w| w.upgrade().is_some_and(|ep| ep.retry_blocked()));
-            delay = if batch.len() < before {
-                MIN
-            } else {
-                (delay * 2).min(MAX)
-            };
+            let mut watching = true;
+            batch.retain(|w| {
+                w.upgrade().is_some_and(|ep| match ep.retry_blocked() {
+                    Retry::Done => false,
+                    Retry::Watching => true,
+                    Retry::Again => {
+                        watching = false;
+                        true
+                    }
+                })
+            });
+            delay = blocked_pace(delay, batch.len() < before, watching);
+            next_blocked = Instant::now() + delay;
             s.lists
                 .lock()
                 .expect("rnr poisoned")
@@ -578,6 +619,21 @@ mod tests {
             initiator_depth: 0,
             responder_resources: 0,
         }
+    }
+
+    #[test]
+    fn blocked_endpoints_are_looked_at_slower_while_their_applications_work() {
+        let ms = Duration::from_millis;
+        // A change in the list: the quickest look.
+        assert_eq!(blocked_pace(ms(8), true, true), BLOCKED_MIN);
+        // Held requests or owed updates: doubling up to 2 ms.
+        assert_eq!(blocked_pace(BLOCKED_MIN, false, false), BLOCKED_MIN * 2);
+        assert_eq!(blocked_pace(ms(2), false, false), BLOCKED_MAX);
+        assert_eq!(blocked_pace(ms(16), false, false), BLOCKED_MAX);
+        // Only receives to announce, applications at work: on up to 32 ms.
+        assert_eq!(blocked_pace(ms(2), false, true), ms(4));
+        assert_eq!(blocked_pace(ms(16), false, true), WATCH_MAX);
+        assert_eq!(blocked_pace(WATCH_MAX, false, true), WATCH_MAX);
     }
 
     #[test]

@@ -505,6 +505,20 @@ fn credit_due(advertised: u64, posted: u64, done: u64) -> bool {
     posted > advertised && advertised.saturating_sub(done) * 2 <= posted.saturating_sub(done)
 }
 
+/// What the RNR thread's look at a blocked endpoint found ([`EpCore::retry_blocked`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Retry {
+    /// Nothing left to do: out of the blocked list.
+    Done,
+    /// Still blocked: look again soon.
+    Again,
+    /// Only receives not announced are left, and the application posted or filled some
+    /// since the previous look: it is at work, and its own posts and polls write the
+    /// updates that come due. The thread may look again at its slower pace
+    /// (`cm::WATCH_MAX`).
+    Watching,
+}
+
 /// A send's delivery read held back (see [`EpCore::resolve_deferred`]).
 #[derive(Debug, Clone, Copy)]
 struct Deferred {
@@ -1988,16 +2002,18 @@ impl EpCore {
     /// at again (lock order: [`crate::sync`]). Reaping under the ledger's lock was a
     /// self-deadlock: the drain's call into this endpoint waited for the lock its own
     /// thread held.
-    pub fn retry_blocked(self: &Arc<Self>) -> bool {
+    pub fn retry_blocked(self: &Arc<Self>) -> Retry {
         // Batched credit updates: when nothing was posted or filled here for `DEFER`
         // while receives are not announced, the receive queue is reaped. The application
         // may have stopped looking while the peer, out of credit, waits: the fills found
         // make an update due (`handle_completion`) exactly when the peer may run short.
         let mut l = self.lock();
+        let mut active = false;
         let stale = self.unannounced(&l) && {
             let now = l.recvs_posted + l.recvs_done;
             if l.recv_seen.0 != now {
                 l.recv_seen = (now, Instant::now());
+                active = true;
             }
             l.recv_seen.1.elapsed() >= DEFER
         };
@@ -2009,7 +2025,11 @@ impl EpCore {
             let mut l = self.lock();
             if l.status != EndpointState::Connected || l.torn_down {
                 drop(l);
-                return self.flush_stuck();
+                return if self.flush_stuck() {
+                    Retry::Again
+                } else {
+                    Retry::Done
+                };
             }
             self.release_pending(&mut l);
             if l.pending > 0
@@ -2019,7 +2039,7 @@ impl EpCore {
             {
                 self.fail_refused(&mut l);
                 self.end_connection(l);
-                return true; // dead now: looked at again (`flush_stuck`)
+                return Retry::Again; // dead now: looked at again (`flush_stuck`)
             }
             // Owed credits may wait for internal slots, and requests behind a software
             // fence for a read's completion: reaping the device queue gives both.
@@ -2028,7 +2048,13 @@ impl EpCore {
                 let still =
                     self.wants_rnr(&l) && l.status == EndpointState::Connected && !l.torn_down;
                 l.blocked = still;
-                return still;
+                return if !still {
+                    Retry::Done
+                } else if active && l.pending == 0 && !l.credit_dirty {
+                    Retry::Watching
+                } else {
+                    Retry::Again
+                };
             }
             drop(l);
             self.send_cq.reap();
