@@ -320,8 +320,9 @@ pub(crate) struct Rnr {
 struct RnrLists {
     /// Blocked (held-back work, owed credit updates) or dead with work to flush.
     blocked: Vec<Weak<EpCore>>,
-    /// An endpoint joined `blocked` since the thread last looked: it looks soon.
-    added: bool,
+    /// An endpoint joined `blocked`, or one there needs more than its slower pace, since
+    /// the thread last looked: it looks soon (`Rnr::add`, `Rnr::soon`).
+    soon: bool,
     /// Watched for signs of life.
     watched: Vec<Weak<EpCore>>,
     /// Served: emulated atomics (`EpCore::poll_emu`), polled adaptively.
@@ -372,8 +373,16 @@ impl Rnr {
         {
             let mut l = self.shared.lists.lock().expect("rnr poisoned");
             l.blocked.push(ep);
-            l.added = true;
+            l.soon = true;
         }
+        self.shared.cv.notify_all();
+    }
+
+    /// Has the thread look at its blocked endpoints soon (after [`BLOCKED_MIN`]): one of
+    /// them, left at the slower pace ([`WATCH_MAX`]), now holds requests back or owes an
+    /// update.
+    pub fn soon(&self) {
+        self.shared.lists.lock().expect("rnr poisoned").soon = true;
         self.shared.cv.notify_all();
     }
 
@@ -489,7 +498,7 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
                     next_serve = Instant::now();
                 }
                 let now = Instant::now();
-                if std::mem::take(&mut l.added) {
+                if std::mem::take(&mut l.soon) {
                     // A newly blocked endpoint is looked at after the quickest pause.
                     delay = BLOCKED_MIN;
                     next_blocked = next_blocked.min(now + BLOCKED_MIN);

@@ -432,6 +432,10 @@ struct Ledger {
     /// for [`DEFER`]. The helper keeps it, so that neither posting nor polling reads the
     /// clock for it.
     recv_seen: (u64, Instant),
+    /// The RNR thread's last look here found only receives to announce while the
+    /// application worked ([`Retry::Watching`]): it may look again only after its slower
+    /// pace, so a request held back or an update owed since asks it to look soon.
+    rnr_slow: bool,
     /// What we last wrote into the peer's mode word (`emu_wire::MODE_OFF`): true when it
     /// says our sends need no confirmation (connections that batch credit updates).
     told_lazy: bool,
@@ -879,6 +883,7 @@ impl EpCore {
                     recvs_done: 0,
                     advertised: 0,
                     recv_seen: (0, Instant::now()),
+                    rnr_slow: false,
                     told_lazy: false,
                     deferred: None,
                     watched: false,
@@ -1987,9 +1992,17 @@ impl EpCore {
 
     fn note_blocked(self: &Arc<Self>, l: &mut Ledger) {
         let want = self.wants_rnr(l);
-        if want && !l.blocked && l.status == EndpointState::Connected {
+        if !want || l.status != EndpointState::Connected {
+            return;
+        }
+        if !l.blocked {
             l.blocked = true;
+            l.rnr_slow = false;
             self.dom.rnr.add(Arc::downgrade(self));
+        } else if l.rnr_slow && (l.pending > 0 || l.credit_dirty) {
+            // More than receives to announce now: the 2 ms pace again, from a look soon.
+            l.rnr_slow = false;
+            self.dom.rnr.soon();
         }
     }
 
@@ -2048,9 +2061,10 @@ impl EpCore {
                 let still =
                     self.wants_rnr(&l) && l.status == EndpointState::Connected && !l.torn_down;
                 l.blocked = still;
+                l.rnr_slow = still && active && l.pending == 0 && !l.credit_dirty;
                 return if !still {
                     Retry::Done
-                } else if active && l.pending == 0 && !l.credit_dirty {
+                } else if l.rnr_slow {
                     Retry::Watching
                 } else {
                     Retry::Again
