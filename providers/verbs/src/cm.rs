@@ -499,7 +499,8 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
                 }
                 let now = Instant::now();
                 if std::mem::take(&mut l.soon) {
-                    // A newly blocked endpoint is looked at after the quickest pause.
+                    // A newly blocked endpoint, or one that needs more than the slower
+                    // pace, is looked at within the quickest pause.
                     delay = BLOCKED_MIN;
                     next_blocked = next_blocked.min(now + BLOCKED_MIN);
                 }
