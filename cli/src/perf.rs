@@ -5,7 +5,7 @@
 //! fabric perf pingpong|bw|lat --op send|write|write_imm|read|fetch_add|compare_swap|tagged
 //!             [--size N | --sizes 8,64,1K,64K,1M] [--iters N] [--provider P]
 //!             [--role server --listen ADDR | --role client --connect ADDR] [--format text|json]
-//!             [--completion delivery|transmit]
+//!             [--completion delivery|transmit] [--wait | --spin] [--server-polls]
 //! ```
 //!
 //! With no role the command runs both sides on loopback as two processes: it starts itself
@@ -31,7 +31,10 @@
 //!
 //! Completions are busy-polled by default (poll, and `sched_yield` when the queue is empty,
 //! so a provider's own threads are not starved on small machines); `--spin` polls without
-//! yielding, `--wait` blocks in the completion queue's `wait`. The output says which.
+//! yielding, `--wait` blocks in the completion queue's `wait`. The output says which. The
+//! server echoes in the client's mode; while it only waits for the client's next control
+//! message (all through a one-sided phase) it blocks, or with `--server-polls` polls in
+//! the client's mode too, as perftest's server over rdma_cm does.
 
 mod run;
 mod tagged;
@@ -96,6 +99,16 @@ pub(crate) struct PerfArgs {
     /// measures on iWARP). Both sides use it. It changes the cost only on iWARP.
     #[arg(long, value_enum, default_value_t = CompletionLevel::Delivery)]
     completion: CompletionLevel,
+    /// The server application polls its completion queue in the client's mode (busy or
+    /// `--spin`) whenever it waits, also while the client runs one-sided operations,
+    /// instead of blocking in `wait` there: what perftest's server does over rdma_cm
+    /// (`-R`), which busy-polls its handshake's receive queue until the client is done.
+    /// Where the provider answers a request from a kernel thread on the target's CPU
+    /// (siw's transmit thread sends a Read Response), a polling target keeps that CPU
+    /// from sleeping. Without it the target application takes no part (the contract's
+    /// one-sided case).
+    #[arg(long, conflicts_with = "wait")]
+    server_polls: bool,
 }
 
 /// The completion level of the data sends and writes.
@@ -402,6 +415,8 @@ pub(crate) struct Plan {
     pub mode: Mode,
     /// Sends and writes are transmit complete.
     pub transmit: bool,
+    /// The server polls in `mode` whenever it waits (`--server-polls`).
+    pub server_polls: bool,
 }
 
 impl Plan {
@@ -422,6 +437,13 @@ impl Plan {
             return Err(
                 "--op tagged runs the pingpong and lat tests (a ping-pong over rdm \
                  endpoints, as fi_pingpong -e rdm); for bandwidth use --op send or write"
+                    .into(),
+            );
+        }
+        if a.op == Op::Tagged && a.server_polls {
+            return Err(
+                "--server-polls is for the connected-endpoint tests: the tagged ping-pong's \
+                 server echoes every message and polls in the client's mode already"
                     .into(),
             );
         }
@@ -455,6 +477,7 @@ impl Plan {
             window: a.window,
             mode,
             transmit: a.completion == CompletionLevel::Transmit,
+            server_polls: a.server_polls,
         })
     }
 
@@ -597,6 +620,7 @@ fn client(
                 "device": report.device,
                 "completions": plan.mode.name(),
                 "completion_level": if plan.transmit { "transmit" } else { "delivery" },
+                "server": if plan.server_polls { "polls" } else { "waits" },
                 "rows": rows.iter().map(Row::to_json).collect::<Vec<_>>(),
             });
             println!("{v}");
@@ -608,7 +632,7 @@ fn client(
 
 fn print_text(report: &fabric::SelectionReport, plan: &Plan, rows: &[Row]) {
     println!(
-        "# fabric perf {} --op {}: provider {} (device {}); completions: {}; {}",
+        "# fabric perf {} --op {}: provider {} (device {}); completions: {}; {}; {}",
         plan.test.name(),
         plan.op.name(),
         report.provider,
@@ -618,6 +642,11 @@ fn print_text(report: &fabric::SelectionReport, plan: &Plan, rows: &[Row]) {
             "sends and writes transmit complete"
         } else {
             "sends and writes delivery complete"
+        },
+        if plan.server_polls {
+            "the server polls the same way while it waits"
+        } else {
+            "the server blocks while it waits"
         }
     );
     let what = match (plan.test, plan.op.one_way()) {

@@ -96,3 +96,53 @@ fn the_tagged_pingpong_runs_over_rdm_endpoints_and_refuses_bw() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn a_polling_server_serves_one_sided_phases_and_the_output_says_which() {
+    // Two sizes: between the phases the server waits for the next control message in
+    // the client's mode (spinning here), and through each read phase it only waits.
+    let run = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_fabric"))
+            .args([
+                "perf", "lat", "--op", "read", "--sizes", "8,64", "--iters", "20",
+            ])
+            .args(["--spin", "--provider", "tcp", "--format", "json"])
+            .args(extra)
+            .output()
+            .expect("run fabric perf");
+        assert!(
+            out.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        let bytes: Vec<_> = v["rows"]
+            .as_array()
+            .expect("rows")
+            .iter()
+            .map(|r| r["bytes"].as_u64())
+            .collect();
+        assert_eq!(bytes, [Some(8), Some(64)], "{v}");
+        v["server"].as_str().map(str::to_owned)
+    };
+    assert_eq!(run(&["--server-polls"]).as_deref(), Some("polls"));
+    assert_eq!(run(&[]).as_deref(), Some("waits"));
+    // Meaningless combinations are refused, saying why.
+    for (args, says) in [
+        (
+            &["lat", "--op", "read", "--wait", "--server-polls"][..],
+            "--wait",
+        ),
+        (&["lat", "--op", "tagged", "--server-polls"][..], "tagged"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_fabric"))
+            .arg("perf")
+            .args(args)
+            .args(["--provider", "tcp"])
+            .output()
+            .expect("run fabric perf");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}

@@ -26,6 +26,9 @@ const HELLO: u8 = 1;
 /// In the hello's `c` (beside the completion mode): sends and writes are transmit
 /// complete.
 const HELLO_TRANSMIT: u64 = 1 << 8;
+/// In the hello's `c`: the server polls in the client's mode whenever it waits
+/// (`--server-polls`), not only for its echoes.
+const HELLO_SERVER_POLLS: u64 = 1 << 9;
 const REPLY: u8 = 2;
 const PHASE: u8 = 3;
 const BYE: u8 = 4;
@@ -407,13 +410,21 @@ pub(crate) fn serve(domain: &AnyDomain, listener: &AnyListener) -> Result<(), St
         return Err(format!("expected hello, got control kind {}", hello.kind));
     }
     let op = Op::from_code(hello.op).ok_or("unknown operation in hello")?;
-    let mode = match hello.c & !HELLO_TRANSMIT {
+    let mode = match hello.c & !(HELLO_TRANSMIT | HELLO_SERVER_POLLS) {
         0 => Mode::Busy,
         1 => Mode::Spin,
         _ => Mode::Block,
     };
     // The echo's data sends and writes: transmit complete if the client's are.
     let transmit = hello.c & HELLO_TRANSMIT != 0;
+    // Between its echoes (and for the whole of a one-sided phase, where it has none) the
+    // server waits for the client's next control message: blocking, or polling in the
+    // client's mode when asked (perftest's server over rdma_cm busy-polls there).
+    let ctrl_mode = if hello.c & HELLO_SERVER_POLLS != 0 {
+        mode
+    } else {
+        Mode::Block
+    };
     r.mode = mode;
     let peer = hello.desc.ok_or("hello without the client's region")?;
     let max_size = hello.a.max(CTRL_LEN as u64) as usize;
@@ -449,7 +460,7 @@ pub(crate) fn serve(domain: &AnyDomain, listener: &AnyListener) -> Result<(), St
     send_ctrl(&mut r, &ep, &ctrl_mr, &mut seq, reply)?;
     let mut ctx = 0u64;
     loop {
-        let c = r.next_recv(Mode::Block, IDLE)?;
+        let c = r.next_recv(ctrl_mode, IDLE)?;
         let s = c.context as usize * slot;
         let m = Ctrl::decode(&pool.buffer().to_vec(s, c.byte_len as usize))?;
         match m.kind {
@@ -563,7 +574,12 @@ pub(crate) fn client(
         Mode::Busy => 0,
         Mode::Spin => 1,
         Mode::Block => 2,
-    } | if plan.transmit { HELLO_TRANSMIT } else { 0 };
+    } | if plan.transmit { HELLO_TRANSMIT } else { 0 }
+        | if plan.server_polls {
+            HELLO_SERVER_POLLS
+        } else {
+            0
+        };
     hello.desc = Some(target.desc());
     send_ctrl(&mut r, &ep, &ctrl_mr, &mut seq, hello)?;
     let c = r.next_recv(Mode::Block, STALL)?;
