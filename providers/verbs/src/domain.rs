@@ -33,8 +33,14 @@ type PeerArea = (u64, u32);
 const INTERNAL_EXTRA: usize = 64;
 /// Hardware send-queue room for credit updates and close marks (iWARP).
 const CREDIT_SLOTS: usize = 32;
-/// Outstanding reads/atomics asked for (capped by the device).
-const WANT_RD_ATOM: u32 = 16;
+/// Outstanding reads/atomics asked for (capped by the device, and by the peer's when the
+/// connection is set up): 128, what perftest asks of rxe and siw (their maximum). At 16 a
+/// stream of 64 KiB reads ran dry once the target's CPU was busy too: A/B in one soft-RDMA
+/// boot, 4 rounds, against `ib_read_bw` (perftest's server polling, as ours): iwarp 64 KiB
+/// 0.95x -> 1.26x (higher in 4 of 4), 1 MiB 0.82x -> 0.95x, roce 64 KiB 0.99x -> 1.17x
+/// (BENCHMARKS.md, twenty-ninth session). The price is the device's per-connection
+/// read state (siw: 128-entry ORQ and IRQ; rxe: 128 responder resources).
+const WANT_RD_ATOM: u32 = 128;
 
 /// Everything discovery learns for one flavor: the usable device, or why there is none.
 struct Found {
