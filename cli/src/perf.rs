@@ -106,7 +106,8 @@ pub(crate) struct PerfArgs {
     /// Where the provider answers a request from a kernel thread on the target's CPU
     /// (siw's transmit thread sends a Read Response), a polling target keeps that CPU
     /// from sleeping. Without it the target application takes no part (the contract's
-    /// one-sided case).
+    /// one-sided case). Given to the client (or to the command without a role); the
+    /// server learns it from the client, as it learns the polling mode.
     #[arg(long, conflicts_with = "wait")]
     server_polls: bool,
 }

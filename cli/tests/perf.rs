@@ -3,23 +3,40 @@
 
 use std::process::Command;
 
-fn perf(test: &str, op: &str) -> serde_json::Value {
+/// `fabric perf ARGS` (split at spaces), which must succeed and print JSON.
+fn perf_json(args: &str) -> serde_json::Value {
     let out = Command::new(env!("CARGO_BIN_EXE_fabric"))
-        .args(["perf", test, "--op", op, "--size", "8", "--iters", "20"])
-        .args(["--provider", "tcp", "--format", "json"])
+        .arg("perf")
+        .args(args.split_whitespace())
         .output()
         .expect("run fabric perf");
     assert!(
         out.status.success(),
-        "fabric perf {test} --op {op} failed: {}",
+        "fabric perf {args} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
-            "fabric perf {test} --op {op}: not JSON ({e}): {}",
+            "fabric perf {args}: not JSON ({e}): {}",
             String::from_utf8_lossy(&out.stdout)
         )
     })
+}
+
+fn perf(test: &str, op: &str) -> serde_json::Value {
+    perf_json(&format!(
+        "{test} --op {op} --size 8 --iters 20 --provider tcp --format json"
+    ))
+}
+
+/// The `bytes` of every row.
+fn sizes(v: &serde_json::Value) -> Vec<Option<u64>> {
+    v["rows"]
+        .as_array()
+        .expect("rows")
+        .iter()
+        .map(|r| r["bytes"].as_u64())
+        .collect()
 }
 
 #[test]
@@ -67,24 +84,8 @@ fn the_tagged_pingpong_runs_over_rdm_endpoints_and_refuses_bw() {
         assert!(r["usec_per_xfer"].as_f64().is_some_and(|u| u > 0.0), "{r}");
     }
     // Above the eager size: the rendezvous (an RDMA Read of the sender's memory).
-    let out = Command::new(env!("CARGO_BIN_EXE_fabric"))
-        .args(["perf", "pingpong", "--op", "tagged", "--sizes", "8,64K"])
-        .args(["--iters", "10", "--provider", "tcp", "--format", "json"])
-        .output()
-        .expect("run fabric perf");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
-    let bytes: Vec<_> = v["rows"]
-        .as_array()
-        .expect("rows")
-        .iter()
-        .map(|r| r["bytes"].as_u64())
-        .collect();
-    assert_eq!(bytes, [Some(8), Some(65536)]);
+    let v = perf_json("pingpong --op tagged --sizes 8,64K --iters 10 --provider tcp --format json");
+    assert_eq!(sizes(&v), [Some(8), Some(65536)]);
     let out = Command::new(env!("CARGO_BIN_EXE_fabric"))
         .args(["perf", "bw", "--op", "tagged", "--provider", "tcp"])
         .output()
@@ -101,48 +102,28 @@ fn the_tagged_pingpong_runs_over_rdm_endpoints_and_refuses_bw() {
 fn a_polling_server_serves_one_sided_phases_and_the_output_says_which() {
     // Two sizes: between the phases the server waits for the next control message in
     // the client's mode (spinning here), and through each read phase it only waits.
-    let run = |extra: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_fabric"))
-            .args([
-                "perf", "lat", "--op", "read", "--sizes", "8,64", "--iters", "20",
-            ])
-            .args(["--spin", "--provider", "tcp", "--format", "json"])
-            .args(extra)
-            .output()
-            .expect("run fabric perf");
-        assert!(
-            out.status.success(),
-            "{extra:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
-        let bytes: Vec<_> = v["rows"]
-            .as_array()
-            .expect("rows")
-            .iter()
-            .map(|r| r["bytes"].as_u64())
-            .collect();
-        assert_eq!(bytes, [Some(8), Some(64)], "{v}");
+    let run = |extra: &str| {
+        let v = perf_json(&format!(
+            "lat --op read --sizes 8,64 --iters 20 --spin --provider tcp --format json {extra}"
+        ));
+        assert_eq!(sizes(&v), [Some(8), Some(64)], "{v}");
         v["server"].as_str().map(str::to_owned)
     };
-    assert_eq!(run(&["--server-polls"]).as_deref(), Some("polls"));
-    assert_eq!(run(&[]).as_deref(), Some("waits"));
+    assert_eq!(run("--server-polls").as_deref(), Some("polls"));
+    assert_eq!(run("").as_deref(), Some("waits"));
     // Meaningless combinations are refused, saying why.
     for (args, says) in [
-        (
-            &["lat", "--op", "read", "--wait", "--server-polls"][..],
-            "--wait",
-        ),
-        (&["lat", "--op", "tagged", "--server-polls"][..], "tagged"),
+        ("lat --op read --wait --server-polls", "--wait"),
+        ("lat --op tagged --server-polls", "tagged"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_fabric"))
             .arg("perf")
-            .args(args)
+            .args(args.split_whitespace())
             .args(["--provider", "tcp"])
             .output()
             .expect("run fabric perf");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-        assert!(err.contains(says), "{args:?}: {err}");
+        assert_eq!(out.status.code(), Some(2), "{args}: {err}");
+        assert!(err.contains(says), "{args}: {err}");
     }
 }
