@@ -391,6 +391,54 @@ fn endpoint_config(cq: &AnyCq, depth: u64) -> EndpointConfig<'_, AnyCq> {
     cfg
 }
 
+/// The hello's `c`: the client's polling mode, and the transmit and server-polls bits.
+fn hello_word(plan: &Plan) -> u64 {
+    let mode = match plan.mode {
+        Mode::Busy => 0,
+        Mode::Spin => 1,
+        Mode::Block => 2,
+    };
+    let transmit = if plan.transmit { HELLO_TRANSMIT } else { 0 };
+    let polls = if plan.server_polls {
+        HELLO_SERVER_POLLS
+    } else {
+        0
+    };
+    mode | transmit | polls
+}
+
+/// How the server runs, as the client's hello says ([`hello_word`]).
+#[derive(Debug, PartialEq, Eq)]
+struct ServerModes {
+    /// The echoes' polling mode: the client's.
+    mode: Mode,
+    /// While it only waits for the client's next control message (between its echoes,
+    /// and all through a one-sided phase, where it has none): blocking, or polling in the
+    /// client's mode when asked (perftest's server over rdma_cm busy-polls there).
+    ctrl_mode: Mode,
+    /// The echo's data sends and writes: transmit complete if the client's are.
+    transmit: bool,
+}
+
+impl ServerModes {
+    fn of_hello(c: u64) -> ServerModes {
+        let mode = match c & !(HELLO_TRANSMIT | HELLO_SERVER_POLLS) {
+            0 => Mode::Busy,
+            1 => Mode::Spin,
+            _ => Mode::Block,
+        };
+        ServerModes {
+            mode,
+            ctrl_mode: if c & HELLO_SERVER_POLLS != 0 {
+                mode
+            } else {
+                Mode::Block
+            },
+            transmit: c & HELLO_TRANSMIT != 0,
+        }
+    }
+}
+
 /// The server: accepts one client and runs the phases it asks for.
 pub(crate) fn serve(domain: &AnyDomain, listener: &AnyListener) -> Result<(), String> {
     let cq = domain.create_cq(4096).map_err(e("create_cq"))?;
@@ -410,21 +458,11 @@ pub(crate) fn serve(domain: &AnyDomain, listener: &AnyListener) -> Result<(), St
         return Err(format!("expected hello, got control kind {}", hello.kind));
     }
     let op = Op::from_code(hello.op).ok_or("unknown operation in hello")?;
-    let mode = match hello.c & !(HELLO_TRANSMIT | HELLO_SERVER_POLLS) {
-        0 => Mode::Busy,
-        1 => Mode::Spin,
-        _ => Mode::Block,
-    };
-    // The echo's data sends and writes: transmit complete if the client's are.
-    let transmit = hello.c & HELLO_TRANSMIT != 0;
-    // Between its echoes (and for the whole of a one-sided phase, where it has none) the
-    // server waits for the client's next control message: blocking, or polling in the
-    // client's mode when asked (perftest's server over rdma_cm busy-polls there).
-    let ctrl_mode = if hello.c & HELLO_SERVER_POLLS != 0 {
-        mode
-    } else {
-        Mode::Block
-    };
+    let ServerModes {
+        mode,
+        ctrl_mode,
+        transmit,
+    } = ServerModes::of_hello(hello.c);
     r.mode = mode;
     let peer = hello.desc.ok_or("hello without the client's region")?;
     let max_size = hello.a.max(CTRL_LEN as u64) as usize;
@@ -570,16 +608,7 @@ pub(crate) fn client(
     hello.op = plan.op.code();
     hello.a = plan.max_size();
     hello.b = plan.window;
-    hello.c = match plan.mode {
-        Mode::Busy => 0,
-        Mode::Spin => 1,
-        Mode::Block => 2,
-    } | if plan.transmit { HELLO_TRANSMIT } else { 0 }
-        | if plan.server_polls {
-            HELLO_SERVER_POLLS
-        } else {
-            0
-        };
+    hello.c = hello_word(plan);
     hello.desc = Some(target.desc());
     send_ctrl(&mut r, &ep, &ctrl_mr, &mut seq, hello)?;
     let c = r.next_recv(Mode::Block, STALL)?;
@@ -867,5 +896,46 @@ impl State<'_> {
         }
         bar.inc(n & 255);
         Ok(laps.into_samples())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_hello_carries_the_mode_and_whether_the_server_polls_while_it_waits() {
+        let plan = |mode, transmit, server_polls| Plan {
+            test: Test::Lat,
+            op: Op::Read,
+            phases: Vec::new(),
+            window: 1,
+            mode,
+            transmit,
+            server_polls,
+        };
+        let modes = |p: &Plan| ServerModes::of_hello(hello_word(p));
+        for mode in [Mode::Busy, Mode::Spin, Mode::Block] {
+            for transmit in [false, true] {
+                let polls = modes(&plan(mode, transmit, true));
+                assert_eq!(
+                    polls,
+                    ServerModes {
+                        mode,
+                        ctrl_mode: mode,
+                        transmit
+                    }
+                );
+                let waits = modes(&plan(mode, transmit, false));
+                assert_eq!(
+                    waits,
+                    ServerModes {
+                        mode,
+                        ctrl_mode: Mode::Block,
+                        transmit
+                    }
+                );
+            }
+        }
     }
 }
