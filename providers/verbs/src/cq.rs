@@ -24,6 +24,11 @@ const ORPHANS: usize = 256;
 /// Completions one device poll of [`CqInner::drain`] takes at most.
 const DRAIN_BATCH: usize = 32;
 
+/// The least capacity of a caller's empty vector that a poll takes in trade for the ready
+/// queue's (see [`CqInner::poll_ready`]): a smaller one would have the queue grow its
+/// buffer again at the next completions.
+const READY_KEEP: usize = 16;
+
 /// The longest a blocking wait sleeps while an endpoint is watched ([`CqInner::watch`]):
 /// what it waits for is a count written into memory, which raises no event.
 const WATCH_NAP: Duration = Duration::from_micros(250);
@@ -91,7 +96,8 @@ pub(crate) struct CqState<E = EpCore> {
 impl<E> Default for CqState<E> {
     fn default() -> Self {
         CqState {
-            ready: Vec::new(),
+            // At least what a poll trades for it (`READY_KEEP`), so that the trade goes on.
+            ready: Vec::with_capacity(READY_KEEP),
             qps: IdMap::default(),
             orphans: Vec::new(),
             scratch: [Wc::default(); DRAIN_BATCH],
@@ -282,6 +288,7 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
 
     /// Polls: drains the device queue, moves up to `max` ready completions to `out` and
     /// gives their slots back. Returns how many. Takes the queue's lock.
+    #[inline(always)]
     pub fn poll_ready(&self, out: &mut Vec<Completion>, max: usize) -> usize {
         let mut st = self.lock();
         self.drain(&mut st);
@@ -291,7 +298,12 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
             Self::look_next(&mut st)
         };
         let n = st.ready.len().min(max);
-        if n == st.ready.len() {
+        if n == st.ready.len() && out.is_empty() && out.capacity() >= READY_KEEP {
+            // The common case (a caller that empties its vector between polls and takes
+            // everything): the two vectors trade places, no copy. The queue keeps the
+            // caller's (empty) buffer, large enough not to grow at the next completion.
+            std::mem::swap(out, &mut st.ready);
+        } else if n == st.ready.len() {
             out.append(&mut st.ready);
         } else {
             out.extend(st.ready.drain(..n));
@@ -538,6 +550,47 @@ mod tests {
         assert_eq!(ids, (5..total).collect::<Vec<_>>());
         assert_eq!(cq.reserved.load(Ordering::Acquire), 0);
         assert_eq!(cq.poll_ready(&mut out, 100), 0);
+    }
+
+    #[test]
+    fn a_poll_into_an_empty_vector_trades_buffers_and_the_queue_keeps_room() {
+        const QP: u32 = 3;
+        let cq = CqInner::<FakeDevice, Echo>::new(FakeDevice::default(), 256, 0).unwrap();
+        cq.lock().qps.insert(QP, Arc::new(Echo));
+        let push = |ids: std::ops::Range<u64>| {
+            for id in ids {
+                cq.reserve(0).unwrap();
+                cq.hw.0.lock().unwrap().push_back(Wc {
+                    wr_id: id,
+                    qp_num: QP,
+                    ..Wc::default()
+                });
+            }
+        };
+        let mut next = 0;
+        // Callers' vectors: empty with room (traded), empty without (appended to), and
+        // one that holds a completion already (appended to, kept in front); each poll
+        // takes everything in order and gives every slot back, and the queue's own
+        // buffer never falls below what a trade needs.
+        for (cap, held) in [(64, false), (1, false), (64, true), (READY_KEEP, false)] {
+            for round in 0..3u64 {
+                let n = 1 + round * 20;
+                push(next..next + n);
+                let mut out = Vec::with_capacity(cap);
+                if held {
+                    out.push(Completion::flushed(999, Opcode::Send));
+                }
+                assert_eq!(cq.poll_ready(&mut out, 1000), n as usize);
+                let ids: Vec<u64> = out.iter().map(|c| c.context).collect();
+                let mut want: Vec<u64> = if held { vec![999] } else { Vec::new() };
+                want.extend(next..next + n);
+                assert_eq!(ids, want, "caller capacity {cap}, round {round}");
+                assert_eq!(cq.reserved.load(Ordering::Acquire), 0);
+                assert!(cq.lock().ready.is_empty());
+                assert!(cq.lock().ready.capacity() >= READY_KEEP);
+                next += n;
+            }
+        }
     }
 
     /// A target that serves by reaping its queue (which takes the queue's lock), and

@@ -165,6 +165,7 @@ pub(crate) struct RankedGuard<'a, T> {
 }
 
 impl<T> Drop for RankedGuard<'_, T> {
+    #[inline]
     fn drop(&mut self) {
         #[cfg(any(debug_assertions, loom))]
         held::release(self.rank);
