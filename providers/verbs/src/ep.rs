@@ -3259,15 +3259,32 @@ impl EpCore {
             {
                 return false;
             }
-            let r = l.sq.pop_front().expect("front exists");
+            // Taken apart as it leaves the queue: only the fields used are read, and only
+            // the hold (and the emulation record, none here) need dropping, so the record
+            // is not copied whole for a drop call (in the guest every memory access and
+            // call is dear: BENCHMARKS.md, thirty-second session).
+            let SqRec {
+                internal,
+                user,
+                emu,
+                _holds: holds,
+                ..
+            } = l.sq.pop_front().expect("front exists");
+            debug_assert!(emu.is_none(), "checked above");
             l.hw_sq -= 1;
-            if r.internal {
+            if internal {
                 cq.release_internal(1);
             }
-            if let Some(u) = r.user {
+            if let Some(u) = user {
                 l.user_sq -= 1;
                 self.push_user(cq, cst, u, None);
             }
+            // The hold, taken apart too (its drop would be one more call): the region's
+            // counted reference, and the vector of any more (empty here: a direct request
+            // gathers from at most one region).
+            let Holds { first, more } = holds;
+            drop(first);
+            drop(more);
         }
         // The general path's tail (flushing records that failed to post, posting held-back
         // ones, owed credits) has nothing to do here: a connected endpoint with nothing held
