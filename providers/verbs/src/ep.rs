@@ -3279,9 +3279,10 @@ impl EpCore {
                 l.user_sq -= 1;
                 self.push_user(cq, cst, u, None);
             }
-            // The hold, taken apart too (its drop would be one more call): the region's
-            // counted reference, and the vector of any more (empty here: a direct request
-            // gathers from at most one region).
+            // The hold, taken apart too (its drop would be one more call): the first
+            // region's counted reference, and the vector of any more (usually empty: most
+            // requests gather from one region; up to `ffi::ONE_SGES` entries may name
+            // others, and they are dropped here alike).
             let Holds { first, more } = holds;
             drop(first);
             drop(more);
