@@ -3073,13 +3073,6 @@ impl EpCore {
                 return;
             };
             let r = l.rq.remove(pos).expect("position is valid");
-            let mut opcode = if !failed && w.opcode == ffi::wc_opcode::RECV_RDMA_WITH_IMM {
-                Opcode::RecvWriteWithImm
-            } else {
-                Opcode::Recv
-            };
-            let mut byte_len = u64::from(w.byte_len);
-            let mut imm = if failed { None } else { w.imm };
             // The send that landed here is the connection's `recvs_done`-th: its emulated
             // immediate, if any, is in that slot of our ring (placed before the send).
             let ordinal = l.recvs_done;
@@ -3090,28 +3083,11 @@ impl EpCore {
                 self.send_credit(&mut l);
                 self.note_blocked(&mut l);
             }
-            if let (false, Some(e)) = (failed, &self.emu) {
-                match ImmRec::read(
-                    e.watch.area(),
-                    e.slots,
-                    ordinal,
-                    self.dom.limits.max_msg_size,
-                ) {
-                    Some(rec) if rec.kind == emu::IMM_WRITE && w.byte_len == 0 => {
-                        opcode = Opcode::RecvWriteWithImm;
-                        byte_len = rec.len;
-                        imm = Some(rec.imm);
-                    }
-                    Some(rec) if rec.kind == emu::IMM_SEND => imm = Some(rec.imm),
-                    Some(rec) => tracing::warn!(
-                        qp = self.qpn,
-                        ?rec,
-                        bytes = w.byte_len,
-                        "peer's write-with-immediate record does not match its send: ignored"
-                    ),
-                    None => {}
-                }
-            }
+            let (opcode, byte_len, imm) = if failed {
+                (Opcode::Recv, u64::from(w.byte_len), None)
+            } else {
+                self.received(w, ordinal)
+            };
             cst.ready.push(Completion {
                 context: r.context,
                 opcode,
@@ -3217,45 +3193,88 @@ impl EpCore {
         }
     }
 
+    /// What a successful receive reports: its opcode, length and immediate data, the
+    /// device's or, on a connection that emulates immediate data, those of the record the
+    /// peer placed for the connection's `ordinal`-th send (before the send).
+    #[inline]
+    fn received(&self, w: &Wc, ordinal: u64) -> (Opcode, u64, Option<u32>) {
+        let mut opcode = if w.opcode == ffi::wc_opcode::RECV_RDMA_WITH_IMM {
+            Opcode::RecvWriteWithImm
+        } else {
+            Opcode::Recv
+        };
+        let mut byte_len = u64::from(w.byte_len);
+        let mut imm = w.imm;
+        if let Some(e) = &self.emu {
+            match ImmRec::read(
+                e.watch.area(),
+                e.slots,
+                ordinal,
+                self.dom.limits.max_msg_size,
+            ) {
+                Some(rec) if rec.kind == emu::IMM_WRITE && w.byte_len == 0 => {
+                    opcode = Opcode::RecvWriteWithImm;
+                    byte_len = rec.len;
+                    imm = Some(rec.imm);
+                }
+                Some(rec) if rec.kind == emu::IMM_SEND => imm = Some(rec.imm),
+                Some(rec) => tracing::warn!(
+                    qp = self.qpn,
+                    ?rec,
+                    bytes = w.byte_len,
+                    "peer's write-with-immediate record does not match its send: ignored"
+                ),
+                None => {}
+            }
+        }
+        (opcode, byte_len, imm)
+    }
+
     /// The common case of [`handle_completion`](Self::handle_completion): a successful
     /// completion of the oldest request of its queue, on a connected endpoint with nothing
-    /// held back, of a connection that takes the [direct](Self::direct) path (no
-    /// emulation, no credits to send back). Does what the general path does for it,
-    /// without the searches and checks that only errors, emulation, credits and held-back
-    /// requests need. Returns false, having changed nothing, for anything else.
+    /// held back and nothing owed. Does what the general path does for it, without the
+    /// searches and checks that only errors, emulated atomics, held-back requests and owed
+    /// credit updates need. Returns false, having changed nothing, for anything else.
+    ///
+    /// On a connection with credits and emulation (iWARP) that includes the receive's
+    /// emulated immediate data and the count of receives completed, unless a batched
+    /// credit update comes due with it: the general path sends that. In the guest this
+    /// path was half of a receive's instructions on each side of an 8-byte send
+    /// ping-pong (BENCHMARKS.md, thirty-third session).
     #[inline]
     fn complete_in_order(&self, l: &mut Ledger, cq: &CqInner, cst: &mut CqState, w: &Wc) -> bool {
-        if !self.direct
-            || l.status != EndpointState::Connected
+        if l.status != EndpointState::Connected
             || l.pending > 0
+            || l.credit_dirty
+            || l.kill_after.is_some()
             || is_early(w.wr_id)
         {
             return false;
         }
         if w.wr_id & RECV_BIT != 0 {
             let seq = w.wr_id & !RECV_BIT;
-            if l.rq.front().is_none_or(|r| r.seq != seq) {
+            if l.rq.front().is_none_or(|r| r.seq != seq)
+                || (self.batching() && credit_due(l.advertised, l.recvs_posted, l.recvs_done + 1))
+            {
                 return false;
             }
             let r = l.rq.pop_front().expect("front exists");
+            let ordinal = l.recvs_done;
             l.recvs_done += 1;
+            let (opcode, byte_len, imm) = self.received(w, ordinal);
             cst.ready.push(Completion {
                 context: r.context,
-                opcode: if w.opcode == ffi::wc_opcode::RECV_RDMA_WITH_IMM {
-                    Opcode::RecvWriteWithImm
-                } else {
-                    Opcode::Recv
-                },
+                opcode,
                 status: Status::Success,
                 provider_code: None,
-                byte_len: u64::from(w.byte_len),
-                imm: w.imm,
+                byte_len,
+                imm,
                 ep_context: self.ep_context,
             });
         } else {
             if l.sq
                 .front()
-                .is_none_or(|r| r.seq != w.wr_id || r.emu.is_some())
+                .is_none_or(|r| r.seq != w.wr_id || r.emu.is_some() || r.group_err.is_some())
             {
                 return false;
             }
@@ -3264,7 +3283,9 @@ impl EpCore {
             // is not copied whole for a drop call (in the guest every memory access and
             // call is dear: BENCHMARKS.md, thirty-second session).
             let SqRec {
+                seq,
                 internal,
+                is_read,
                 user,
                 emu,
                 _holds: holds,
@@ -3272,6 +3293,11 @@ impl EpCore {
             } = l.sq.pop_front().expect("front exists");
             debug_assert!(emu.is_none(), "checked above");
             l.hw_sq -= 1;
+            if is_read && l.unconfirmed_tc.is_some_and(|(tc, _)| seq > tc) {
+                // RDMAP answers a Read Request only behind the requests before it: the
+                // peer took the transmit-complete one too.
+                l.unconfirmed_tc = None;
+            }
             if internal {
                 cq.release_internal(1);
             }
@@ -3288,11 +3314,11 @@ impl EpCore {
             drop(more);
         }
         // The general path's tail (flushing records that failed to post, posting held-back
-        // ones, owed credits) has nothing to do here: a connected endpoint with nothing held
-        // back has no record that failed to post (`fail_refused` ends the connection), and
-        // a direct connection no credits.
+        // ones, owed credit updates) has nothing to do here: a connected endpoint with
+        // nothing held back has no record that failed to post (`fail_refused` ends the
+        // connection), and none is owed.
         debug_assert!(
-            l.sq.iter().all(SqRec::posted),
+            l.sq.iter().all(|r| r.posted() || r.awaiting_reply()),
             "a connected endpoint with nothing held back holds an unposted record"
         );
         true
