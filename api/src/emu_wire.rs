@@ -375,15 +375,18 @@ impl ImmRec {
     /// slot holds one for that send with a valid kind and a length at most `max_len`.
     pub fn read(area: &Buffer, slots: u32, ordinal: u64, max_len: u64) -> Option<ImmRec> {
         let off = IMM_OFF + IMM_SLOT * (ordinal % u64::from(slots.max(1))) as usize;
-        let w = read_words::<3>(area, off)?;
-        if w[0] != ordinal.wrapping_add(1) {
+        // The stamp first: a send without immediate data finds another send's stamp
+        // there (a receive's every completion looks), and the record's words stay unread.
+        let [stamp] = read_words::<1>(area, off)?;
+        if stamp != ordinal.wrapping_add(1) {
             return None;
         }
-        let kind = (w[1] >> 32) as u32;
+        let [word, len] = read_words::<2>(area, off + 8)?;
+        let kind = (word >> 32) as u32;
         let rec = ImmRec {
             kind,
-            imm: w[1] as u32,
-            len: w[2],
+            imm: word as u32,
+            len,
         };
         match kind {
             IMM_SEND if rec.len == 0 => Some(rec),
