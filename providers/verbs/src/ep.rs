@@ -3077,7 +3077,9 @@ impl EpCore {
             // immediate, if any, is in that slot of our ring (placed before the send).
             let ordinal = l.recvs_done;
             l.recvs_done += 1;
-            if self.batching() && credit_due(l.advertised, l.recvs_posted, l.recvs_done) {
+            // The count first: it is due once in many receives, and `batching` reads the
+            // peer's mode word.
+            if credit_due(l.advertised, l.recvs_posted, l.recvs_done) && self.batching() {
                 // The peer may run short before we post another receive.
                 l.credit_dirty = true;
                 self.send_credit(&mut l);
@@ -3254,7 +3256,7 @@ impl EpCore {
         if w.wr_id & RECV_BIT != 0 {
             let seq = w.wr_id & !RECV_BIT;
             if l.rq.front().is_none_or(|r| r.seq != seq)
-                || (self.batching() && credit_due(l.advertised, l.recvs_posted, l.recvs_done + 1))
+                || (credit_due(l.advertised, l.recvs_posted, l.recvs_done + 1) && self.batching())
             {
                 return false;
             }
