@@ -1006,7 +1006,9 @@ impl EpCore {
     /// counted reference to each region in `holds` (memory the device uses after the call
     /// returns) or, without `holds`, none (an inline payload, which the device library
     /// copies during the call while the caller borrows it). Returns the total bytes.
-    #[inline]
+    /// Inlined into every caller: on every message's path (a post's and a receive's),
+    /// where a call costs as much as twenty plain instructions in the guest.
+    #[inline(always)]
     fn gather(
         &self,
         sgl: &[Slice<'_>],
@@ -1977,7 +1979,7 @@ impl EpCore {
                 return true;
             }
             self.finish_deferred(l, at);
-            self.push_user(&self.send_cq, cst, u, None);
+            self.push_user(&self.send_cq, &mut cst.ready, u, None);
             // No device event announces it: wake whoever waits on the queue.
             self.send_cq.notify();
             return false;
@@ -2528,7 +2530,7 @@ impl EpCore {
                     "emulated atomic completed"
                 );
                 a.result.buffer().write(a.off, &old.to_ne_bytes());
-                self.push_user(&self.send_cq, &mut cst, u, None);
+                self.push_user(&self.send_cq, &mut cst.ready, u, None);
             }
             (res, _) => {
                 let kind = res.err().unwrap_or(ErrorKind::RemoteOperation);
@@ -2545,7 +2547,7 @@ impl EpCore {
                     ))
                 });
                 l.attributed = true;
-                self.push_user(&self.send_cq, &mut cst, u, Some((kind, None)));
+                self.push_user(&self.send_cq, &mut cst.ready, u, Some((kind, None)));
                 let _ = self.id.disconnect();
             }
         }
@@ -2968,21 +2970,21 @@ impl EpCore {
 
     // ----- completions ------------------------------------------------------------------
 
-    /// Handles one device completion of this endpoint's queue pair (CQ lock held).
+    /// Handles one device completion of this endpoint's queue pair (CQ lock held) that
+    /// the common path ([`complete_common`](CompletionTarget::complete_common), tried
+    /// first by the drain) declined, or an early receive's: the general path, which is
+    /// right for any completion.
     #[inline]
     fn handle_completion(self: &Arc<Self>, cq: &CqInner, cst: &mut CqState, w: &Wc) {
         let mut l = self.lock();
         l.progress = l.progress.wrapping_add(1);
-        if w.status == wc::SUCCESS && self.complete_in_order(&mut l, cq, cst, w) {
-            return;
-        }
         self.handle_completion_fully(l, cq, cst, w);
     }
 
-    /// Everything [`handle_completion`](Self::handle_completion) does past its common
-    /// case ([`complete_in_order`](Self::complete_in_order)): errors, emulation, credits,
-    /// held-back requests. Apart, so that the common case, inlined into the queue's
-    /// drain, pays no large function's entry and exit.
+    /// The general path of a completion: errors, emulation, credits, held-back
+    /// requests, and the common case too ([`complete_in_order`](Self::complete_in_order)
+    /// handles that alone when the drain tries it first). Apart, so that the common case,
+    /// inlined into the queue's drain, pays no large function's entry and exit.
     #[inline(never)]
     fn handle_completion_fully(
         self: &Arc<Self>,
@@ -3179,7 +3181,7 @@ impl EpCore {
                             }
                         }
                     }
-                    self.push_user(cq, cst, u, e);
+                    self.push_user(cq, &mut cst.ready, u, e);
                 }
             }
         }
@@ -3232,7 +3234,8 @@ impl EpCore {
         (opcode, byte_len, imm)
     }
 
-    /// The common case of [`handle_completion`](Self::handle_completion): a successful
+    /// The common case of a completion, tried first by the queue's drain
+    /// ([`complete_common`](CompletionTarget::complete_common)): a successful
     /// completion of the oldest request of its queue, on a connected endpoint with nothing
     /// held back and nothing owed. Does what the general path does for it, without the
     /// searches and checks that only errors, emulated atomics, held-back requests and owed
@@ -3243,8 +3246,14 @@ impl EpCore {
     /// credit update comes due with it: the general path sends that. In the guest this
     /// path was half of a receive's instructions on each side of an 8-byte send
     /// ping-pong (BENCHMARKS.md, thirty-third session).
-    #[inline]
-    fn complete_in_order(&self, l: &mut Ledger, cq: &CqInner, cst: &mut CqState, w: &Wc) -> bool {
+    #[inline(always)]
+    fn complete_in_order(
+        &self,
+        l: &mut Ledger,
+        cq: &CqInner,
+        ready: &mut Vec<Completion>,
+        w: &Wc,
+    ) -> bool {
         if l.status != EndpointState::Connected
             || l.pending > 0
             || l.credit_dirty
@@ -3264,7 +3273,7 @@ impl EpCore {
             let ordinal = l.recvs_done;
             l.recvs_done += 1;
             let (opcode, byte_len, imm) = self.received(w, ordinal);
-            cst.ready.push(Completion {
+            ready.push(Completion {
                 context: r.context,
                 opcode,
                 status: Status::Success,
@@ -3305,7 +3314,7 @@ impl EpCore {
             }
             if let Some(u) = user {
                 l.user_sq -= 1;
-                self.push_user(cq, cst, u, None);
+                self.push_user(cq, ready, u, None);
             }
             // The hold, taken apart too (its drop would be one more call): the first
             // region's counted reference, and the vector of any more (usually empty: most
@@ -3371,13 +3380,13 @@ impl EpCore {
     fn push_user(
         &self,
         cq: &CqInner,
-        cst: &mut CqState,
+        ready: &mut Vec<Completion>,
         u: UserRec,
         e: Option<(ErrorKind, Option<ProviderCode>)>,
     ) {
         match e {
             None if !u.signaled => cq.release(1),
-            None => cst.ready.push(Completion {
+            None => ready.push(Completion {
                 context: u.context,
                 opcode: u.opcode,
                 status: Status::Success,
@@ -3386,7 +3395,7 @@ impl EpCore {
                 imm: None,
                 ep_context: self.ep_context,
             }),
-            Some((kind, code)) => cst.ready.push(Completion {
+            Some((kind, code)) => ready.push(Completion {
                 context: u.context,
                 opcode: u.opcode,
                 status: Status::Error(kind),
@@ -3429,7 +3438,7 @@ impl EpCore {
             if held.is_some_and(|d| self.peer_counts(l).received >= d.ordinal) {
                 #[cfg(debug_assertions)]
                 crate::fault::note_confirmed();
-                self.push_user(&self.send_cq, cst, u, None);
+                self.push_user(&self.send_cq, &mut cst.ready, u, None);
                 return true;
             }
             if held.is_some() || !r.unposted {
@@ -3449,7 +3458,7 @@ impl EpCore {
                         result: Ok(old), ..
                     }) => {
                         a.result.buffer().write(a.off, &old.to_ne_bytes());
-                        self.push_user(&self.send_cq, cst, u, None);
+                        self.push_user(&self.send_cq, &mut cst.ready, u, None);
                         return true;
                     }
                     Some(AmoReply { result: Err(k), .. }) => {
@@ -3460,7 +3469,7 @@ impl EpCore {
                 }
             }
         }
-        self.push_user(&self.send_cq, cst, u, Some(e));
+        self.push_user(&self.send_cq, &mut cst.ready, u, Some(e));
         true
     }
 
@@ -3779,6 +3788,23 @@ impl CompletionTarget<HwCq> for EpCore {
     #[inline]
     fn on_completion(self: &Arc<Self>, cq: &CqInner, st: &mut CqState, wc: &Wc) {
         self.handle_completion(cq, st, wc);
+    }
+
+    /// The ledger's common case ([`EpCore::complete_in_order`]); anything else (an
+    /// error, emulation, credits, held-back requests) goes to `on_completion`, which
+    /// takes the ledger's lock again (the first look changed nothing, not even the
+    /// progress count).
+    #[inline]
+    fn complete_common(&self, cq: &CqInner, ready: &mut Vec<Completion>, wc: &Wc) -> bool {
+        if wc.status != wc::SUCCESS {
+            return false;
+        }
+        let mut l = self.lock();
+        if !self.complete_in_order(&mut l, cq, ready, wc) {
+            return false;
+        }
+        l.progress = l.progress.wrapping_add(1);
+        true
     }
 
     fn serve(self: &Arc<Self>) {

@@ -1589,6 +1589,7 @@ impl CmId {
     /// # Safety
     /// The `sges` must name memory registered (LOCAL_WRITE) under their keys that stays
     /// alive until the receive completes or the queue pair is destroyed.
+    #[inline(always)]
     pub unsafe fn post_recv(&self, wr_id: u64, sges: &[Sge]) -> io::Result<()> {
         const EMPTY: sys::ibv_sge = sys::ibv_sge {
             addr: 0,
