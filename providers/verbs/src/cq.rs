@@ -519,6 +519,23 @@ mod tests {
         }
     }
 
+    /// Puts completions of queue pair `qp` with request ids `ids` in the device queue,
+    /// each with its application slot reserved (as a posted request has).
+    fn complete<E: CompletionTarget<FakeDevice>>(
+        cq: &CqInner<FakeDevice, E>,
+        qp: u32,
+        ids: std::ops::Range<u64>,
+    ) {
+        for id in ids {
+            cq.reserve(0).unwrap();
+            cq.hw.0.lock().unwrap().push_back(Wc {
+                wr_id: id,
+                qp_num: qp,
+                ..Wc::default()
+            });
+        }
+    }
+
     /// An endpoint that reports every completion of its queue pair as a receive whose
     /// context is the request's id.
     struct Echo;
@@ -530,15 +547,7 @@ mod tests {
             st: &mut CqState<Self>,
             wc: &Wc,
         ) {
-            st.ready.push(Completion {
-                context: wc.wr_id,
-                opcode: Opcode::Recv,
-                status: Status::Success,
-                provider_code: None,
-                byte_len: 0,
-                imm: None,
-                ep_context: 0,
-            });
+            st.ready.push(reported(wc, Opcode::Recv));
         }
     }
 
@@ -593,14 +602,7 @@ mod tests {
         let ep = Arc::new(Split::default());
         cq.lock().qps.insert(QP, ep.clone());
         let total = DRAIN_BATCH as u64 + 5;
-        for id in 0..total {
-            cq.reserve(0).unwrap();
-            cq.hw.0.lock().unwrap().push_back(Wc {
-                wr_id: id,
-                qp_num: QP,
-                ..Wc::default()
-            });
-        }
+        complete(&cq, QP, 0..total);
         let mut out = Vec::new();
         assert_eq!(cq.poll_ready(&mut out, 64), total as usize);
         let seen: Vec<(u64, Opcode)> = out.iter().map(|c| (c.context, c.opcode)).collect();
@@ -629,14 +631,7 @@ mod tests {
         cq.lock().qps.insert(QP, Arc::new(Echo));
         // More than one device batch, each with its application slot.
         let total = DRAIN_BATCH as u64 + 8;
-        for id in 0..total {
-            cq.reserve(0).unwrap();
-            cq.hw.0.lock().unwrap().push_back(Wc {
-                wr_id: id,
-                qp_num: QP,
-                ..Wc::default()
-            });
-        }
+        complete(&cq, QP, 0..total);
         // What the caller already holds stays in front; a short take leaves the rest
         // queued, in order.
         let mut out = vec![Completion::flushed(999, Opcode::Send)];
@@ -659,16 +654,7 @@ mod tests {
         const QP: u32 = 3;
         let cq = CqInner::<FakeDevice, Echo>::new(FakeDevice::default(), 256, 0).unwrap();
         cq.lock().qps.insert(QP, Arc::new(Echo));
-        let push = |ids: std::ops::Range<u64>| {
-            for id in ids {
-                cq.reserve(0).unwrap();
-                cq.hw.0.lock().unwrap().push_back(Wc {
-                    wr_id: id,
-                    qp_num: QP,
-                    ..Wc::default()
-                });
-            }
-        };
+        let push = |ids: std::ops::Range<u64>| complete(&cq, QP, ids);
         let mut next = 0;
         // Callers' vectors: empty with room (traded), empty without (appended to), and
         // one that holds a completion already (appended to, kept in front); each poll
