@@ -363,14 +363,15 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
             };
             for i in 0..n {
                 let wc = st.scratch[i];
+                // One look-up: the common path on the borrowed endpoint, and only what it
+                // declines pays for a counted reference (the general path needs the
+                // queue's whole state, the map included).
                 let CqState { qps, ready, .. } = &mut *st;
-                if qps
-                    .get(&wc.qp_num)
-                    .is_some_and(|ep| ep.complete_common(self, ready, &wc))
-                {
-                    continue;
-                }
-                match st.qps.get(&wc.qp_num).cloned() {
+                let general = match qps.get(&wc.qp_num) {
+                    Some(ep) if ep.complete_common(self, ready, &wc) => continue,
+                    found => found.cloned(),
+                };
+                match general {
                     Some(ep) => ep.on_completion(self, st, &wc),
                     None if crate::ep::is_early(wc.wr_id) && st.orphans.len() < ORPHANS => {
                         st.orphans.push(wc)
