@@ -362,15 +362,21 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
                 }
             };
             for i in 0..n {
-                let wc = st.scratch[i];
                 // One look-up: the common path on the borrowed endpoint, and only what it
                 // declines pays for a counted reference (the general path needs the
-                // queue's whole state, the map included).
-                let CqState { qps, ready, .. } = &mut *st;
+                // queue's whole state, the map included) and a copy of the completion.
+                let CqState {
+                    qps,
+                    ready,
+                    scratch,
+                    ..
+                } = &mut *st;
+                let wc = &scratch[i];
                 let general = match qps.get(&wc.qp_num) {
-                    Some(ep) if ep.complete_common(self, ready, &wc) => continue,
+                    Some(ep) if ep.complete_common(self, ready, wc) => continue,
                     found => found.cloned(),
                 };
+                let wc = *wc;
                 match general {
                     Some(ep) => ep.on_completion(self, st, &wc),
                     None if crate::ep::is_early(wc.wr_id) && st.orphans.len() < ORPHANS => {

@@ -347,6 +347,26 @@ struct UserRec {
     byte_len: u64,
 }
 
+/// A failure of a request, or of an earlier piece of its group: the kind to report and the
+/// provider's code.
+type Failure = (ErrorKind, Option<ProviderCode>);
+
+/// What only some send-queue records carry (a failure, an emulation record), apart from
+/// the record so that the common one stays small: a record is built and moved into the
+/// ledger on every post, and taken apart on every completion; at 64 bytes instead of 120
+/// that is half the memory traffic (in the guest every memory access is dear:
+/// BENCHMARKS.md, thirty-second session).
+#[derive(Debug, Default)]
+struct SqRare {
+    /// Failed to post: complete with this error when its turn comes.
+    failed: Option<Failure>,
+    /// The real error of an earlier piece of this record's group (the group's last
+    /// record reports it instead of its own flush).
+    group_err: Option<Failure>,
+    /// Filled in when posted (emulated immediate data and atomics).
+    emu: Option<EmuRec>,
+}
+
 /// One hardware send-queue request.
 #[derive(Debug)]
 struct SqRec {
@@ -371,26 +391,69 @@ struct SqRec {
     /// the send left ([`Ledger::deferred`]) and never posted if the peer's count confirms
     /// the send first.
     deferrable: bool,
-    /// Failed to post: complete with this error when its turn comes.
-    failed: Option<(ErrorKind, Option<ProviderCode>)>,
-    /// The real error of an earlier piece of this record's group (the group's last
-    /// record reports it instead of its own flush).
-    group_err: Option<(ErrorKind, Option<ProviderCode>)>,
-    /// Filled in when posted (emulated immediate data and atomics).
-    emu: Option<EmuRec>,
     /// Regions in use: memory stays alive until the record completes.
     _holds: Holds,
+    /// A failure or an emulation record, if any ([`SqRare`]).
+    rare: Option<Box<SqRare>>,
 }
+
+// The common records stay within a cache line: what every post writes and every
+// completion reads (see `SqRare`).
+const _: () = assert!(std::mem::size_of::<SqRec>() <= 64);
+const _: () = assert!(std::mem::size_of::<RqRec>() <= 32);
 
 impl SqRec {
     /// On the device (posted, not completed by it).
     fn posted(&self) -> bool {
-        !self.unposted && self.failed.is_none() && !self.awaiting_reply()
+        !self.unposted && self.failed().is_none() && !self.awaiting_reply()
     }
 
     /// An emulated atomic whose request the device sent: it waits for the peer's reply.
     fn awaiting_reply(&self) -> bool {
-        matches!(&self.emu, Some(EmuRec::Amo(a)) if a.sent)
+        matches!(self.emu(), Some(EmuRec::Amo(a)) if a.sent)
+    }
+
+    /// The rare part of a record that has an emulation record (none otherwise).
+    fn rare_with(emu: Option<EmuRec>) -> Option<Box<SqRare>> {
+        emu.map(|e| {
+            Box::new(SqRare {
+                emu: Some(e),
+                ..SqRare::default()
+            })
+        })
+    }
+
+    /// Its failure to post, if it failed.
+    fn failed(&self) -> Option<Failure> {
+        self.rare.as_ref().and_then(|r| r.failed)
+    }
+
+    /// The error of an earlier piece of its group, if one failed.
+    fn group_err(&self) -> Option<Failure> {
+        self.rare.as_ref().and_then(|r| r.group_err)
+    }
+
+    /// Its emulation record, if any.
+    fn emu(&self) -> Option<&EmuRec> {
+        self.rare.as_ref().and_then(|r| r.emu.as_ref())
+    }
+
+    /// Its emulation record, if any, to fill in.
+    fn emu_mut(&mut self) -> Option<&mut EmuRec> {
+        self.rare.as_mut().and_then(|r| r.emu.as_mut())
+    }
+
+    /// Records that it failed to post.
+    fn set_failed(&mut self, e: Failure) {
+        self.rare.get_or_insert_with(Box::default).failed = Some(e);
+    }
+
+    /// Records the error of an earlier piece of its group, unless one is recorded already
+    /// (the first error is the one to report).
+    fn note_group_err(&mut self, e: Option<Failure>) {
+        if let (None, Some(e)) = (self.group_err(), e) {
+            self.rare.get_or_insert_with(Box::default).group_err = Some(e);
+        }
     }
 }
 
@@ -651,14 +714,19 @@ struct Plan {
 }
 
 /// The regions a request uses, kept alive until it completes: the first in place, any
-/// more (a gather list over several regions) in a vector. A request usually holds one
-/// region, and then taking and dropping its hold is a counted reference and a test
+/// more (a gather list over several regions) in a boxed vector. A request usually holds
+/// one region, and then taking and dropping its hold is a counted reference and a test
 /// (callgrind, roce fetch_add: 16 instructions per request fewer than a `SmallVec` of
-/// two, whose every access checks whether it spilled).
+/// two, whose every access checks whether it spilled); boxed, the rest is one word of the
+/// record (16 bytes in all, not 32).
 #[derive(Debug, Default)]
 struct Holds {
     first: Option<RegionRef>,
-    more: Vec<RegionRef>,
+    #[allow(
+        clippy::box_collection,
+        reason = "one word in the record, not three: the vector is rare"
+    )]
+    more: Option<Box<Vec<RegionRef>>>,
 }
 
 impl Holds {
@@ -666,7 +734,7 @@ impl Holds {
     const fn new() -> Holds {
         Holds {
             first: None,
-            more: Vec::new(),
+            more: None,
         }
     }
 
@@ -676,13 +744,15 @@ impl Holds {
         if self.first.is_none() {
             self.first = Some(r);
         } else {
-            self.more.push(r);
+            self.more.get_or_insert_with(Box::default).push(r);
         }
     }
 
     /// The regions held, in the order they were pushed.
     fn iter(&self) -> impl Iterator<Item = &RegionRef> {
-        self.first.iter().chain(&self.more)
+        self.first
+            .iter()
+            .chain(self.more.iter().flat_map(|m| m.iter()))
     }
 
     /// Holds what `other` held too.
@@ -695,11 +765,15 @@ impl Holds {
 
 impl IntoIterator for Holds {
     type Item = RegionRef;
-    type IntoIter =
-        std::iter::Chain<std::option::IntoIter<RegionRef>, std::vec::IntoIter<RegionRef>>;
+    type IntoIter = std::iter::Chain<
+        std::option::IntoIter<RegionRef>,
+        std::iter::Flatten<std::option::IntoIter<Vec<RegionRef>>>,
+    >;
 
     fn into_iter(self) -> Self::IntoIter {
-        self.first.into_iter().chain(self.more)
+        self.first
+            .into_iter()
+            .chain(self.more.map(|m| *m).into_iter().flatten())
     }
 }
 
@@ -1466,14 +1540,12 @@ impl EpCore {
                 is_send,
                 is_read,
                 deferrable: last && plan.deferrable,
-                failed: None,
-                group_err: None,
-                emu,
                 _holds: if last {
                     holds.take().unwrap_or_default()
                 } else {
                     Holds::new()
                 },
+                rare: SqRec::rare_with(emu),
             });
         }
         l.pending += n;
@@ -1669,10 +1741,8 @@ impl EpCore {
             is_send,
             is_read: matches!(op, HwOp::Read { .. }),
             deferrable: false,
-            failed: None,
-            group_err: None,
-            emu: None,
             _holds: holds,
+            rare: None,
         });
         l.user_sq += 1;
         l.hw_sq += 1;
@@ -1815,7 +1885,7 @@ impl EpCore {
                 fences |= 1 << i;
                 w.fence = false;
             }
-            if let (Some(rec), Some(e)) = (&r.emu, &self.emu) {
+            if let (Some(rec), Some(e)) = (r.emu(), &self.emu) {
                 let (off, payload) = match rec {
                     EmuRec::Imm(imm) => {
                         // Sends reach the device in ledger order: this one's ordinal.
@@ -1890,7 +1960,7 @@ impl EpCore {
         if let Some(seq) = amo_seq {
             // The atomic is alone in its group.
             if posted == 1 {
-                if let Some(EmuRec::Amo(a)) = l.sq[start].emu.as_mut() {
+                if let Some(EmuRec::Amo(a)) = l.sq[start].emu_mut() {
                     a.seq = seq;
                 }
                 l.amo_sent = seq;
@@ -2168,7 +2238,7 @@ impl EpCore {
             let r = &mut l.sq[end];
             end += 1;
             r.unposted = false;
-            r.failed = Some((err.kind(), err.code()));
+            r.set_failed((err.kind(), err.code()));
             if r.user.is_some() {
                 break; // the end of the first held-back request
             }
@@ -2222,7 +2292,7 @@ impl EpCore {
                 tracing::debug!(qp = self.qpn, n = recs.len(), "device did not flush these send-queue requests: the provider completes them Flushed");
             }
             for mut r in recs {
-                if !r.unposted && r.failed.is_none() {
+                if !r.unposted && r.failed().is_none() {
                     l.hw_sq -= 1;
                 }
                 self.retire(&mut l, &mut cst, &mut r);
@@ -2414,8 +2484,9 @@ impl EpCore {
             let mut l = self.lock();
             let mut first = true;
             for mut r in sq {
-                if r.user.is_some() && std::mem::take(&mut first) && r.group_err.is_none() {
-                    r.group_err = r.failed.or(Some((ErrorKind::RetryExceeded, None)));
+                if r.user.is_some() && std::mem::take(&mut first) && r.group_err().is_none() {
+                    let e = r.failed().unwrap_or((ErrorKind::RetryExceeded, None));
+                    r.note_group_err(Some(e));
                 }
                 self.retire(&mut l, &mut cst, &mut r);
             }
@@ -2509,7 +2580,7 @@ impl EpCore {
         let Some(pos) = l
             .sq
             .iter()
-            .position(|r| matches!(&r.emu, Some(EmuRec::Amo(a)) if a.seq == reply.seq && a.sent))
+            .position(|r| matches!(r.emu(), Some(EmuRec::Amo(a)) if a.seq == reply.seq && a.sent))
         else {
             return;
         };
@@ -2520,7 +2591,7 @@ impl EpCore {
             return;
         };
         l.user_sq -= 1;
-        match (reply.result, &r.emu) {
+        match (reply.result, r.emu()) {
             (Ok(old), Some(EmuRec::Amo(a))) => {
                 tracing::trace!(
                     qp = self.qpn,
@@ -2909,10 +2980,8 @@ impl EpCore {
                 is_send: false,
                 is_read,
                 deferrable: false,
-                failed: None,
-                group_err: None,
-                emu: None,
                 _holds: Holds::new(),
+                rare: None,
             },
         );
         l.hw_sq += 1;
@@ -3114,10 +3183,10 @@ impl EpCore {
                 // siw flushes its outstanding reads before the send queue.
                 tracing::trace!(qp = self.qpn, pos, "send completion out of order");
             }
-            if !failed && matches!(l.sq[pos].emu, Some(EmuRec::Amo(_))) {
+            if !failed && matches!(l.sq[pos].emu(), Some(EmuRec::Amo(_))) {
                 // An emulated atomic's request left: it now waits for the reply (the
                 // helper thread completes it, see `poll_emu`).
-                if let Some(EmuRec::Amo(a)) = l.sq[pos].emu.as_mut() {
+                if let Some(EmuRec::Amo(a)) = l.sq[pos].emu_mut() {
                     a.sent = true;
                 }
                 l.hw_sq -= 1;
@@ -3129,7 +3198,7 @@ impl EpCore {
                     // the peer took the transmit-complete one too.
                     l.unconfirmed_tc = None;
                 }
-                if let Some(EmuRec::Amo(a)) = &r.emu {
+                if let Some(EmuRec::Amo(a)) = r.emu() {
                     if l.amo_wait == Some(a.seq) {
                         self.set_amo_wait(&mut l, None);
                     }
@@ -3161,7 +3230,7 @@ impl EpCore {
                     // Hand the real error to the group's last record (completions may come out
                     // of order: siw flushes outstanding reads first).
                     if let Some(last) = l.sq.range_mut(pos..).find(|x| x.user.is_some()) {
-                        last.group_err = last.group_err.or(err);
+                        last.note_group_err(err);
                     }
                 }
                 if failed && !flushlike {
@@ -3169,8 +3238,8 @@ impl EpCore {
                 }
                 if let Some(u) = r.user {
                     l.user_sq -= 1;
-                    let mut e = r.group_err.or(err);
-                    if flushlike && r.group_err.is_none() {
+                    let mut e = r.group_err().or(err);
+                    if flushlike && r.group_err().is_none() {
                         match self.infer_cause(&mut l, u.opcode) {
                             Some(k) => e = Some((k, Some(ProviderCode::WcStatus(w.status)))),
                             None => {
@@ -3285,7 +3354,7 @@ impl EpCore {
         } else {
             if l.sq
                 .front()
-                .is_none_or(|r| r.seq != w.wr_id || r.emu.is_some() || r.group_err.is_some())
+                .is_none_or(|r| r.seq != w.wr_id || r.rare.is_some())
             {
                 return false;
             }
@@ -3298,11 +3367,11 @@ impl EpCore {
                 internal,
                 is_read,
                 user,
-                emu,
                 _holds: holds,
+                rare,
                 ..
             } = l.sq.pop_front().expect("front exists");
-            debug_assert!(emu.is_none(), "checked above");
+            debug_assert!(rare.is_none(), "checked above");
             l.hw_sq -= 1;
             if is_read && l.unconfirmed_tc.is_some_and(|(tc, _)| seq > tc) {
                 // RDMAP answers a Read Request only behind the requests before it: the
@@ -3424,10 +3493,10 @@ impl EpCore {
         };
         l.user_sq -= 1;
         let mut e = r
-            .group_err
-            .or(r.failed)
+            .group_err()
+            .or(r.failed())
             .unwrap_or((ErrorKind::Flushed, None));
-        if r.deferrable && r.group_err.is_none() && r.failed.is_none() {
+        if r.deferrable && r.group_err().is_none() && r.failed().is_none() {
             // A send's delivery read, on a connection that ended. Held back (never
             // posted): the send was delivered if the peer's count says so. Else, held back
             // or posted and never completed by the device (siw leaves what was posted to a
@@ -3447,7 +3516,7 @@ impl EpCore {
                 }
             }
         }
-        if let (Some(EmuRec::Amo(a)), Some(link)) = (&r.emu, &self.emu) {
+        if let (Some(EmuRec::Amo(a)), Some(link)) = (r.emu(), &self.emu) {
             // An emulated atomic whose connection died: its reply may have landed before
             // the connection ended (the peer refused it and disconnected, as RC hardware
             // would): report that, not a flush.
@@ -3483,16 +3552,16 @@ impl EpCore {
                 break;
             }
             let dead = l.status != EndpointState::Connected || l.torn_down;
-            if front.failed.is_none() && !dead {
+            if front.failed().is_none() && !dead {
                 break;
             }
             let mut r = l.sq.pop_front().expect("front exists");
             if self.retire(l, cst, &mut r) {
                 any = true;
-            } else if let Some(e) = r.failed {
+            } else if let Some(e) = r.failed() {
                 if r.grouped {
                     if let Some(last) = l.sq.iter_mut().find(|x| x.user.is_some()) {
-                        last.group_err = last.group_err.or(Some(e));
+                        last.note_group_err(Some(e));
                     }
                 }
             }
@@ -3996,6 +4065,43 @@ mod tests {
         let owned: Vec<_> = a.into_iter().map(|r| r.buffer().len()).collect();
         assert_eq!(owned, [8, 16, 24, 32]);
         assert!(weak.iter().all(|w| w.upgrade().is_none()));
+    }
+
+    /// A record's rare part exists only once something rare is recorded, and keeps the
+    /// first group error it is given.
+    #[test]
+    fn a_record_keeps_its_rare_part_apart_and_the_first_group_error() {
+        let mut r = SqRec {
+            seq: 7,
+            unposted: false,
+            grouped: true,
+            user: None,
+            internal: false,
+            is_send: true,
+            is_read: false,
+            deferrable: false,
+            _holds: Holds::new(),
+            rare: SqRec::rare_with(None),
+        };
+        assert!(r.rare.is_none() && r.posted());
+        r.note_group_err(None);
+        assert!(r.rare.is_none(), "no error, nothing allocated");
+        r.note_group_err(Some((ErrorKind::RemoteAccess, None)));
+        r.note_group_err(Some((ErrorKind::Flushed, None)));
+        assert_eq!(r.group_err(), Some((ErrorKind::RemoteAccess, None)));
+        assert!(r.failed().is_none() && r.emu().is_none() && r.posted());
+        r.set_failed((ErrorKind::QueueFull, None));
+        assert_eq!(r.failed(), Some((ErrorKind::QueueFull, None)));
+        assert!(
+            !r.posted(),
+            "a record that failed to post is not on the device"
+        );
+        let imm = SqRec::rare_with(Some(EmuRec::Imm(ImmRec {
+            kind: emu::IMM_SEND,
+            imm: 1,
+            len: 0,
+        })));
+        assert!(imm.is_some_and(|x| x.emu.is_some() && x.failed.is_none()));
     }
 
     /// A receiver that batches credit updates (`credit_due`, looked at on every receive
