@@ -1081,13 +1081,25 @@ pub(crate) struct QpCaps {
     pub inline: u32,
 }
 
-/// A scatter/gather entry of a posted request.
+/// A scatter/gather entry of a posted request, laid out as `ibv_sge` (checked below): a
+/// list of them goes to the device library as it is, not copied entry by entry into a
+/// zeroed array on every post.
+#[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Sge {
     pub addr: u64,
     pub len: u32,
     pub lkey: u32,
 }
+
+const _: () = {
+    use std::mem::{align_of, offset_of, size_of};
+    assert!(size_of::<Sge>() == size_of::<sys::ibv_sge>());
+    assert!(align_of::<Sge>() == align_of::<sys::ibv_sge>());
+    assert!(offset_of!(Sge, addr) == offset_of!(sys::ibv_sge, addr));
+    assert!(offset_of!(Sge, len) == offset_of!(sys::ibv_sge, length));
+    assert!(offset_of!(Sge, lkey) == offset_of!(sys::ibv_sge, lkey));
+};
 
 impl Sge {
     /// The entry as the device library takes it.
@@ -1097,6 +1109,17 @@ impl Sge {
             length: self.len,
             lkey: self.lkey,
         }
+    }
+}
+
+/// `sges` as a request's `sg_list` (null when empty). The device library only reads the
+/// list, during the post (it copies the entries into its queue), so handing it the
+/// caller's shared slice is sound.
+fn sg_list(sges: &[Sge]) -> *mut sys::ibv_sge {
+    if sges.is_empty() {
+        ptr::null_mut()
+    } else {
+        sges.as_ptr().cast::<sys::ibv_sge>().cast_mut()
     }
 }
 
@@ -1197,7 +1220,7 @@ fn gather_lists(wrs: &[HwWr]) -> (ChainSges, ChainSpans) {
     (sges, spans)
 }
 
-/// Most gather entries [`CmId::post_one`] takes (its list lives on the stack).
+/// Most gather entries the endpoint's direct path gives [`CmId::post_one`].
 pub(crate) const ONE_SGES: usize = 4;
 
 /// The flags of a hardware request: always signaled (see [`HwWr`]), inline and fenced as
@@ -1553,29 +1576,17 @@ impl CmId {
         inline: bool,
         fence: bool,
     ) -> io::Result<()> {
-        let mut list = [sys::ibv_sge {
-            addr: 0,
-            length: 0,
-            lkey: 0,
-        }; ONE_SGES];
-        let n = sges.len().min(ONE_SGES);
-        for (d, s) in list.iter_mut().zip(&sges[..n]) {
-            *d = s.raw();
-        }
+        debug_assert!(sges.len() <= ONE_SGES);
         // SAFETY: all-zero is a valid (empty) send request; filled in below.
         let mut r: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
         r.wr_id = wr_id;
-        r.sg_list = if n == 0 {
-            ptr::null_mut()
-        } else {
-            list.as_mut_ptr()
-        };
-        r.num_sge = n as i32;
+        r.sg_list = sg_list(sges);
+        r.num_sge = sges.len() as i32;
         r.send_flags = send_flags(inline, fence);
         fill_op(&mut r, op);
         let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
-        // SAFETY: the QP is live; `r` and `list` outlive the call; the caller guarantees
-        // the named memory outlives the request.
+        // SAFETY: the QP is live; `r` and `sges` outlive the call (the library only reads
+        // the list); the caller guarantees the named memory outlives the request.
         let rc = unsafe { sys::ibv_post_send(self.qp(), &mut r, &mut bad) };
         if rc == 0 {
             Ok(())
@@ -1591,37 +1602,15 @@ impl CmId {
     /// alive until the receive completes or the queue pair is destroyed.
     #[inline(always)]
     pub unsafe fn post_recv(&self, wr_id: u64, sges: &[Sge]) -> io::Result<()> {
-        const EMPTY: sys::ibv_sge = sys::ibv_sge {
-            addr: 0,
-            length: 0,
-            lkey: 0,
-        };
-        // Up to four entries on the stack, without a collecting iterator (the receive is
-        // on every message's path); a longer list in a vector of its own.
-        let mut small = [EMPTY; 4];
-        let mut long = Vec::new();
-        let list: &mut [sys::ibv_sge] = if sges.len() <= small.len() {
-            &mut small[..sges.len()]
-        } else {
-            long.resize(sges.len(), EMPTY);
-            &mut long
-        };
-        for (d, s) in list.iter_mut().zip(sges) {
-            *d = s.raw();
-        }
         let mut wr = sys::ibv_recv_wr {
             wr_id,
             next: ptr::null_mut(),
-            sg_list: if list.is_empty() {
-                ptr::null_mut()
-            } else {
-                list.as_mut_ptr()
-            },
-            num_sge: list.len() as i32,
+            sg_list: sg_list(sges),
+            num_sge: sges.len() as i32,
         };
         let mut bad = ptr::null_mut();
-        // SAFETY: the QP is live; `wr` and `list` outlive the call; the caller guarantees
-        // the memory outlives the receive.
+        // SAFETY: the QP is live; `wr` and `sges` outlive the call (the library only reads
+        // the list); the caller guarantees the memory outlives the receive.
         let rc = unsafe { sys::ibv_post_recv(self.qp(), &mut wr, &mut bad) };
         if rc == 0 {
             Ok(())
