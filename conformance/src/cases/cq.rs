@@ -22,6 +22,8 @@ pub(super) fn cases() -> Vec<Case> {
         "cq.completions_name_their_endpoint", "6", OpSet::SEND => name_their_endpoint;
         "cq.completions_in_post_order", "6", OpSet::SEND | OpSet::WRITE | OpSet::READ => post_order;
         "cq.unsignaled_no_completion", "6", OpSet::WRITE => unsignaled;
+        "cq.drain_waits_for_unsignaled", "6", OpSet::WRITE => drain_unsignaled;
+        "cq.unsignaled_error_among_unsignaled", "6", OpSet::WRITE => unsignaled_error;
         "cq.error_state_flushes_and_refuses", "6", OpSet::SEND | OpSet::WRITE => error_state;
         "cq.remote_access_error_both_ends", "6", OpSet::READ => remote_error_both_ends;
         "cq.overrun_refused", "6", OpSet::SEND | OpSet::RNR_WAIT => overrun_refused;
@@ -323,6 +325,84 @@ fn unsignaled(ctx: &Ctx) -> CaseResultOf {
     for j in 0..CAP {
         expect_ok(&p.cqa, 2000 + j as u64, Opcode::Write)?;
     }
+    Ok(())
+}
+
+/// `drain` waits for unsignaled requests too, and returns once they completed, with no
+/// completion queued for any of them; what comes next completes alone. (A provider may
+/// post unsignaled requests without a device completion of their own, each run then
+/// completed by a later request's: a run at the tail needs `drain` to end it.)
+fn drain_unsignaled(ctx: &Ctx) -> CaseResultOf {
+    const N: usize = 40;
+    let p = ctx.pair()?;
+    let src = region(&p.da, N * 64, Access::empty())?;
+    for i in 0..N {
+        src.buffer().fill(i * 64, 64, i as u8 + 1);
+    }
+    let dst = region(&p.db, N * 64, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+    for i in 0..N {
+        let sgl = [src.slice(i * 64..(i + 1) * 64).ctx("slice")?];
+        p.a.post_send(&SendWr::write(i as u64, &sgl, dst.desc().at((i * 64) as u64)).unsignaled())
+            .ctx(&format!("unsignaled write {i}"))?;
+    }
+    p.a.drain(ctx.timeout)
+        .ctx("drain after unsignaled writes only")?;
+    // Completed at the initiator: on a reliable connection, placed at the target.
+    for i in 0..N {
+        ensure!(
+            dst.buffer()
+                .to_vec(i * 64, 64)
+                .iter()
+                .all(|&b| b == i as u8 + 1),
+            "unsignaled write {i} had not landed when drain returned"
+        );
+    }
+    expect_none(&p.cqa, Duration::from_millis(100))?;
+    let last = [src.slice(0..8).ctx("slice")?];
+    p.a.post_send(&SendWr::write(999, &last, dst.desc().at(0)))
+        .ctx("signaled write after the drain")?;
+    expect_ok(&p.cqa, 999, Opcode::Write)?;
+    expect_none(&p.cqa, Duration::from_millis(50))?;
+    p.a.drain(ctx.timeout)
+        .ctx("drain with nothing outstanding")?;
+    Ok(())
+}
+
+/// An unsignaled request that fails among unsignaled ones: its error completes (an error
+/// always does), those behind it complete Flushed, and the successful ones before it
+/// report nothing.
+fn unsignaled_error(ctx: &Ctx) -> CaseResultOf {
+    let p = ctx.pair()?;
+    let src = region(&p.da, 64, Access::empty())?;
+    let dst = region(&p.db, 64 * 8, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+    let sgl = [src.all()];
+    for i in 0..5u64 {
+        p.a.post_send(&SendWr::write(i, &sgl, dst.desc().at(i * 64)).unsignaled())
+            .ctx(&format!("unsignaled write {i}"))?;
+    }
+    p.a.post_send(&SendWr::write(50, &sgl, bad_key(dst.desc())).unsignaled())
+        .ctx("unsignaled bad-key write")?;
+    // Behind it: flushed if posted before the error came back, else refused.
+    let mut behind = Vec::new();
+    for i in 60..63u64 {
+        match p
+            .a
+            .post_send(&SendWr::write(i, &sgl, dst.desc().at(0)).unsignaled())
+        {
+            Ok(()) => behind.push(i),
+            Err(e) if e.kind() == ErrorKind::InvalidState => break,
+            Err(e) => return Err(format!("posting write {i} behind the bad one: {e}")),
+        }
+    }
+    expect_err(&p.cqa, 50, ErrorKind::RemoteAccess)
+        .map_err(|e| format!("the unsignaled bad-key write after five good ones: {e}"))?;
+    for i in behind {
+        expect_err(&p.cqa, i, ErrorKind::Flushed)
+            .map_err(|e| format!("unsignaled write {i} behind the failed one: {e}"))?;
+    }
+    expect_none(&p.cqa, Duration::from_millis(100))
+        .map_err(|e| format!("after the error and the flushes: {e}"))?;
+    wait_state(&p.a, EndpointState::Error, Duration::from_secs(5))?;
     Ok(())
 }
 
