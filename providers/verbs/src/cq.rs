@@ -265,6 +265,9 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
     /// Moves what the device completed into the ready queue, giving back the slots of
     /// the provider's own requests among them. Takes the queue's lock, then endpoint
     /// locks: never call it with an endpoint lock held.
+    /// Out of line: a post reaps only when the queue looks full, and the drain inlined
+    /// here would weigh on every post's frame.
+    #[inline(never)]
     pub fn reap(&self) {
         let mut st = self.lock();
         self.drain(&mut st);
@@ -350,17 +353,45 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
 
     /// Moves everything the device completed into the ready queue (routing each
     /// completion to its endpoint's ledger). Called with the queue's lock held (`st`).
-    /// Inlined: a spinning application's every poll runs it.
-    #[inline]
+    /// Inlined, the device's queue polled in place and the routing apart: a spinning
+    /// application's polls mostly find the device's queue empty, and then make no call
+    /// of ours (in the guest a call and its return cost as much as twenty plain
+    /// instructions: BENCHMARKS.md, thirty-second session).
+    #[inline(always)]
     pub fn drain(&self, st: &mut CqState<E>) {
+        let n = self.poll_device(st);
+        if n > 0 {
+            self.route(st, n);
+        }
+        if self.watching() {
+            self.settle_watched(st);
+        }
+    }
+
+    /// Polls the device's queue into `st.scratch`; returns how many it filled (none if
+    /// the poll failed, which is logged).
+    #[inline(always)]
+    fn poll_device(&self, st: &mut CqState<E>) -> usize {
+        match self.hw.poll(&mut st.scratch) {
+            Ok(n) => n,
+            Err(e) => {
+                Self::poll_failed(&e);
+                0
+            }
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn poll_failed(e: &std::io::Error) {
+        tracing::error!("polling the device completion queue failed: {e}");
+    }
+
+    /// Routes the `n` completions in `st.scratch` to their endpoints, and polls again
+    /// while the device fills whole batches.
+    #[inline(never)]
+    fn route(&self, st: &mut CqState<E>, mut n: usize) {
         loop {
-            let n = match self.hw.poll(&mut st.scratch) {
-                Ok(n) => n,
-                Err(e) => {
-                    tracing::error!("polling the device completion queue failed: {e}");
-                    break;
-                }
-            };
             for i in 0..n {
                 // One look-up: the common path on the borrowed endpoint, and only what it
                 // declines pays for a counted reference (the general path needs the
@@ -391,9 +422,10 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
             if n < DRAIN_BATCH {
                 break;
             }
-        }
-        if self.watching() {
-            self.settle_watched(st);
+            n = self.poll_device(st);
+            if n == 0 {
+                break;
+            }
         }
     }
 }

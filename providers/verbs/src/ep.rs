@@ -2127,11 +2127,26 @@ impl EpCore {
         l.pending > 0 || l.credit_dirty || self.unannounced(l)
     }
 
+    /// Registers the endpoint with the RNR thread, or asks it to look soon, when it has
+    /// work there ([`Self::wants_rnr`]). Inlined (every receive posted on a connection with
+    /// credits runs it, and nearly always finds nothing to do), the registration apart.
+    #[inline]
     fn note_blocked(self: &Arc<Self>, l: &mut Ledger) {
         let want = self.wants_rnr(l);
-        if !want || l.status != EndpointState::Connected {
+        if !want
+            || l.status != EndpointState::Connected
+            || (l.blocked && !(l.rnr_slow && (l.pending > 0 || l.credit_dirty)))
+        {
             return;
         }
+        self.tell_rnr(l);
+    }
+
+    /// [`Self::note_blocked`]'s action: registers the endpoint, or brings the RNR thread's
+    /// next look forward.
+    #[cold]
+    #[inline(never)]
+    fn tell_rnr(self: &Arc<Self>, l: &mut Ledger) {
         if !l.blocked {
             l.blocked = true;
             l.rnr_slow = false;

@@ -1567,7 +1567,8 @@ impl CmId {
     /// # Safety
     /// At most [`ONE_SGES`] entries. Each names memory registered in this domain that stays
     /// alive until the request completes or the queue pair is destroyed (inline: during
-    /// the call).
+    /// the call). Inlined into the direct path: a call less on every request's way.
+    #[inline(always)]
     pub unsafe fn post_one(
         &self,
         wr_id: u64,
