@@ -738,14 +738,21 @@ impl Holds {
         }
     }
 
-    /// Holds `r` too.
-    #[inline]
+    /// Holds `r` too. Inlined (every post and receive holds its region here), a second
+    /// region apart.
+    #[inline(always)]
     fn push(&mut self, r: RegionRef) {
         if self.first.is_none() {
             self.first = Some(r);
         } else {
-            self.more.get_or_insert_with(Box::default).push(r);
+            self.push_more(r);
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn push_more(&mut self, r: RegionRef) {
+        self.more.get_or_insert_with(Box::default).push(r);
     }
 
     /// The regions held, in the order they were pushed.
@@ -2130,7 +2137,7 @@ impl EpCore {
     /// Registers the endpoint with the RNR thread, or asks it to look soon, when it has
     /// work there ([`Self::wants_rnr`]). Inlined (every receive posted on a connection with
     /// credits runs it, and nearly always finds nothing to do), the registration apart.
-    #[inline]
+    #[inline(always)]
     fn note_blocked(self: &Arc<Self>, l: &mut Ledger) {
         let want = self.wants_rnr(l);
         if !want
@@ -2888,7 +2895,9 @@ impl EpCore {
     /// Whether our credit updates are batched now: the connection batches them
     /// ([`lazy`](Self::lazy)) and the peer's mode word says its sends need no
     /// confirmation. Otherwise every receive posted writes one (each confirms the
-    /// peer's sends by our count of receives completed).
+    /// peer's sends by our count of receives completed). Inlined: every receive posted
+    /// and completed on a connection with credits asks.
+    #[inline(always)]
     fn batching(&self) -> bool {
         self.lazy
             && self
