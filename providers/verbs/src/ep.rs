@@ -3383,7 +3383,7 @@ impl EpCore {
                 return false;
             }
             // Taken apart as it leaves the queue: only the fields used are read, and only
-            // the hold (and the emulation record, none here) need dropping, so the record
+            // the hold (and the rare part, none here) need dropping, so the record
             // is not copied whole for a drop call (in the guest every memory access and
             // call is dear: BENCHMARKS.md, thirty-second session).
             let SqRec {
