@@ -208,6 +208,7 @@ fn le_bytes(words: &[u64]) -> Vec<u8> {
 }
 
 /// Reads `N` little-endian words of an area at `off` (aligned, inside the area).
+#[inline]
 fn read_words<const N: usize>(buf: &Buffer, off: usize) -> Option<[u64; N]> {
     // An array, not a vector: the verbs provider's helper thread reads the request and
     // reply slots on every look, and a look allocates nothing.
@@ -373,6 +374,7 @@ impl ImmRec {
 
     /// The record of the send of ordinal `ordinal` in an area with `slots` slots, if the
     /// slot holds one for that send with a valid kind and a length at most `max_len`.
+    #[inline]
     pub fn read(area: &Buffer, slots: u32, ordinal: u64, max_len: u64) -> Option<ImmRec> {
         let off = IMM_OFF + IMM_SLOT * (ordinal % u64::from(slots.max(1))) as usize;
         // The stamp first: a send without immediate data finds another send's stamp

@@ -110,7 +110,9 @@ impl EmuWatch {
 
     /// A poll's look: whether the reply to our atomic or the peer's next request waits in
     /// the area (a hint: only the sequence words are compared; `poll_emu` checks the
-    /// record). Notes the look for the helper.
+    /// record). Notes the look for the helper. Inlined: every poll of a queue with areas
+    /// to watch looks at one.
+    #[inline]
     pub fn look(&self) -> bool {
         let seq = |off| {
             self.area

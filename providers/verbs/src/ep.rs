@@ -111,7 +111,9 @@ struct EarlySlot {
     app: Option<EarlyApp>,
 }
 
-/// A word of one of our credit areas, written by the peer's device.
+/// A word of one of our credit areas, written by the peer's device. Inlined: read on
+/// every receive posted on a connection with credits.
+#[inline]
 fn area_word(buf: &Buffer, off: usize) -> u64 {
     let w = buf.atomic_u64(off).expect("aligned word");
     // The peer's device writes the word with a copy: read until two reads agree.
@@ -1183,6 +1185,7 @@ impl EpCore {
     /// Whether a send or write of `total` bytes goes inline although the application did
     /// not ask: on siw ([`Profile::small_page_crossing`](crate::Profile::small_page_crossing))
     /// every payload siw would copy into its header from registered memory.
+    #[inline]
     fn inlines_small(&self, total: u64) -> bool {
         self.dom.profile.small_page_crossing && inlines_on_siw(total, self.dom.limits.max_inline)
     }
@@ -1786,7 +1789,9 @@ impl EpCore {
     /// an earlier request's completion is outstanding (see `post_send`); requests wait
     /// behind an emulated atomic awaiting its reply; a send needs a credit, and, where
     /// the peer batches its credit updates, the peer told that our sends do not wait
-    /// for its count (`tell_mode`, a write of its own).
+    /// for its count (`tell_mode`, a write of its own). Inlined into the direct path,
+    /// which asks on every transmit-complete send and write on iWARP.
+    #[inline]
     fn adds_nothing_now(&self, l: &Ledger, is_send: bool, transmit: bool) -> bool {
         if l.amo_wait.is_some() || l.deferred.is_some() {
             return false;
@@ -2840,15 +2845,8 @@ impl EpCore {
             }
             return Err(e);
         }
-        // No endpoint lock held here: reaping for the slot may take the queue's lock.
-        let credit_slot = self.credit.is_some() && self.send_cq.reserve_internal_reaping(1);
         let mut l = self.lock();
-        let undo = |me: &Self| {
-            me.recv_cq.release(1);
-            if credit_slot {
-                me.send_cq.release_internal(1);
-            }
-        };
+        let undo = |me: &Self| me.recv_cq.release(1);
         if l.status != EndpointState::Connected || l.torn_down {
             undo(self);
             return Err(invalid_state(l.status));
@@ -2879,13 +2877,16 @@ impl EpCore {
             if !self.batching() || credit_due(l.advertised, l.recvs_posted, l.recvs_done) {
                 l.credit_dirty = true;
             }
-            if credit_slot && l.credit_dirty {
-                let v = self.credit_word(&l);
-                if !self.post_credit(&mut l, credit::POSTED, v) {
-                    self.send_cq.release_internal(1);
-                }
-            } else if credit_slot {
-                self.send_cq.release_internal(1);
+            // An internal slot is reserved only for an update that is due (most receives
+            // of a batching connection owe none: no reservation to take and give back).
+            // Short of a slot, the send queue is reaped with the ledger's lock released
+            // (lock order: `crate::sync`), then the update tried once more; still short,
+            // it stays owed and the RNR thread retries it (`note_blocked`).
+            if l.credit_dirty && self.send_credit(&mut l) {
+                drop(l);
+                self.send_cq.reap();
+                l = self.lock();
+                self.send_credit(&mut l);
             }
             self.note_blocked(&mut l);
         }
@@ -3362,12 +3363,19 @@ impl EpCore {
             {
                 return false;
             }
-            let r = l.rq.pop_front().expect("front exists");
+            // Taken apart as the send's record below: no drop call for the hold.
+            let RqRec {
+                context,
+                _holds: Holds { first, more },
+                ..
+            } = l.rq.pop_front().expect("front exists");
             let ordinal = l.recvs_done;
             l.recvs_done += 1;
             let (opcode, byte_len, imm) = self.received(w, ordinal);
+            drop(first);
+            drop(more);
             ready.push(Completion {
-                context: r.context,
+                context,
                 opcode,
                 status: Status::Success,
                 provider_code: None,

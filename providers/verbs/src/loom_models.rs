@@ -129,22 +129,21 @@ impl ModelEp {
         self.send_cq.hw.complete(self.qpn, seq);
     }
 
-    /// `EpCore::post_recv`'s credit path: the slot is reserved (reaping if short) before
-    /// the ledger's lock is taken.
+    /// `EpCore::post_recv`'s credit path: under the ledger's lock the update is sent if an
+    /// internal slot is free (`send_credit`, never reaping); short of one, the queue is
+    /// reaped with the ledger's lock released, and the update tried once more.
     fn post_recv(&self) {
-        let credit_slot = self.send_cq.reserve_internal_reaping(1);
         let mut l = self.st.lock();
         if l.dead {
-            // InvalidState; the reserved slot is given back.
-            if credit_slot {
-                self.send_cq.release_internal(1);
-            }
-            return;
+            return; // InvalidState
         }
         l.recvs_posted += 1;
         l.credit_dirty = true;
-        if credit_slot {
-            self.post_credit(&mut l);
+        if self.send_credit(&mut l) {
+            drop(l);
+            self.send_cq.reap();
+            let mut l = self.st.lock();
+            self.send_credit(&mut l);
         }
     }
 
