@@ -389,6 +389,14 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
             Self::look_next(&mut st)
         };
         let n = st.ready.len().min(max);
+        if n == 0 {
+            // An empty poll (a spinning caller's usual one): nothing to trade or give back.
+            drop(st);
+            if let Some(t) = due {
+                t.serve();
+            }
+            return 0;
+        }
         if n == st.ready.len() && out.is_empty() && out.capacity() >= READY_KEEP {
             // The common case (a caller that empties its vector between polls and takes
             // everything): the two vectors trade places, no copy. The queue keeps the
