@@ -131,20 +131,23 @@ impl ModelEp {
 
     /// `EpCore::post_recv`'s credit path: under the ledger's lock the update is sent if an
     /// internal slot is free (`send_credit`, never reaping); short of one, the queue is
-    /// reaped with the ledger's lock released, and the update tried once more.
-    fn post_recv(&self) {
+    /// reaped with the ledger's lock released, and the update tried once more. Returns
+    /// whether it reaped (instrumentation).
+    fn post_recv(&self) -> bool {
         let mut l = self.st.lock();
         if l.dead {
-            return; // InvalidState
+            return false; // InvalidState
         }
         l.recvs_posted += 1;
         l.credit_dirty = true;
-        if self.send_credit(&mut l) {
-            drop(l);
-            self.send_cq.reap();
-            let mut l = self.st.lock();
-            self.send_credit(&mut l);
+        if !self.send_credit(&mut l) {
+            return false;
         }
+        drop(l);
+        self.send_cq.reap();
+        let mut l = self.st.lock();
+        self.send_credit(&mut l);
+        true
     }
 
     /// `EpCore::send_credit`: never reaps (the ledger's lock is held); true when the
@@ -252,7 +255,7 @@ fn exhausted_with_credit_owed() -> (Arc<Cq>, Arc<ModelEp>) {
     EXECUTIONS.fetch_add(1, Ordering::Relaxed);
     let cq = Arc::new(Cq::new(ModelDevice::default(), 4, 1).expect("eventfd"));
     let ep = ModelEp::new(&cq, 7);
-    ep.post_recv();
+    assert!(!ep.post_recv(), "a slot was free");
     ep.recv_without_slot();
     assert_eq!(cq.internal_in_use(), 1);
     (cq, ep)
@@ -332,13 +335,15 @@ fn loom_retry_reaps_while_application_polls() {
     });
 }
 
-/// As above, with the application also posting a receive (which reserves a slot, reaping
-/// if short, before taking the endpoint lock).
+/// As above, with the application also posting a receive (whose credit update finds no
+/// slot free: it reaps the send queue with the endpoint lock released, then tries again).
 #[test]
 fn loom_retry_reaps_while_application_polls_and_posts() {
     // Exhaustive (no preemption bound): some 27 000 executions, seconds in release.
+    let reaped = Arc::new(AtomicUsize::new(0));
+    let counted = reaped.clone();
     explore("retry_reaps_while_application_polls_and_posts", || {
-        loom::model(|| {
+        loom::model(move || {
             let (cq, ep) = exhausted_with_credit_owed();
             let rnr = {
                 let ep = ep.clone();
@@ -353,12 +358,18 @@ fn loom_retry_reaps_while_application_polls_and_posts() {
                     cq.poll_ready(&mut out, 4);
                 })
             };
-            ep.post_recv();
+            if ep.post_recv() {
+                counted.fetch_add(1, Ordering::Relaxed);
+            }
             rnr.join().unwrap();
             app.join().unwrap();
             settle_and_check(&cq, &ep);
         })
     });
+    assert!(
+        reaped.load(Ordering::Relaxed) > 0,
+        "the receive's post never reaped for its credit update"
+    );
 }
 
 /// The old protocol fails the order check (in every interleaving where the RNR thread
@@ -447,7 +458,7 @@ fn loom_liveness_probe_and_death_while_application_polls_and_posts() {
                         cq.poll_ready(&mut out, 4);
                     })
                 };
-                ep.post_recv();
+                let _ = ep.post_recv();
                 helper.join().unwrap();
                 app.join().unwrap();
                 assert!(!ep.retry_blocked(), "a dead endpoint owes nothing");
