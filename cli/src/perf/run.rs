@@ -930,6 +930,65 @@ impl State<'_> {
 mod tests {
     use super::*;
 
+    /// `Reaper::post`'s retry path: a send queue of depth 2 refuses a third write until a
+    /// poll frees room; every write is posted once and completes (tcp provider, loopback,
+    /// in one process).
+    #[test]
+    fn a_post_refused_for_a_full_send_queue_is_polled_for_and_retried() {
+        let (domain, _) = crate::selector(Some("tcp"))
+            .and_then(|s| s.open().map_err(|e| e.to_string()))
+            .expect("tcp domain");
+        let listener = domain.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = listener.local_addr();
+        let target = domain.alloc(4096, Access::all()).unwrap();
+        let desc = target.desc();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let (dom, lis) = (&domain, &listener);
+        std::thread::scope(|s| {
+            let done_tx = done_tx;
+            s.spawn(move || {
+                let cq = dom.create_cq(64).unwrap();
+                let _ep = lis
+                    .accept(&endpoint_config(&cq, 2), Duration::from_secs(10))
+                    .unwrap();
+                // Held until the client saw every completion, or failed (the sender
+                // dropped as its panic unwinds: the test fails, it does not hang).
+                let _ = done_rx.recv();
+            });
+            let cq = domain.create_cq(64).unwrap();
+            let mut cfg = EndpointConfig::new(&cq);
+            cfg.sq_depth = 2;
+            let ep = domain.connect(addr, &cfg).unwrap();
+            let local = domain.alloc(64, Access::LOCAL_WRITE).unwrap();
+            let src = [local.slice(0..64).unwrap()];
+            let mut r = Reaper::new(&cq, &ep, Mode::Busy);
+            let (mut posts, mut refused) = (0u64, 0u64);
+            const WRITES: u64 = 16;
+            for ctx in 0..WRITES {
+                let wr = SendWr::write(ctx, &src, desc.at(0));
+                r.post(|| {
+                    posts += 1;
+                    let res = ep.post_send(&wr);
+                    refused += u64::from(
+                        res.as_ref()
+                            .is_err_and(|e| e.kind() == ErrorKind::QueueFull),
+                    );
+                    res
+                })
+                .unwrap();
+            }
+            r.wait_done(WRITES).unwrap();
+            assert_eq!(r.done_upto, WRITES, "every write completed");
+            assert!(refused > 0, "the queue of depth 2 never refused a write");
+            assert_eq!(
+                posts,
+                WRITES + refused,
+                "each refusal retried, nothing posted twice"
+            );
+            done_tx.send(()).unwrap();
+        });
+    }
+
     #[test]
     fn the_hello_carries_the_mode_and_whether_the_server_polls_while_it_waits() {
         let plan = |mode, transmit, server_polls| Plan {
