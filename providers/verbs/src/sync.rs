@@ -20,6 +20,15 @@
 //!
 //! Under `--cfg loom` the mutexes and atomics are loom's, so the models in `loom_models`
 //! explore every interleaving of the real completion-queue code.
+//!
+//! Elsewhere the mutex is `parking_lot`'s: it does not poison, and its unlock is inlined.
+//! std's mutex read the panic count on every lock and every unlock (to poison): in the
+//! soft-RDMA guest, callgrind counted 57 instructions per iteration of the 8-byte
+//! fetch_add client in locking (the poison checks and the futex), 8 with `parking_lot`;
+//! 128 against 22 at the 8-byte send ping-pong's client (BENCHMARKS.md, thirty-seventh
+//! session). Nothing rested on poisoning: a poisoned lock only turned every later lock
+//! into a panic (the endpoint's teardown's too), and the state these locks guard is
+//! plain safe data, whatever a panic left it as.
 
 use std::fmt;
 use std::ops::{Deref, DerefMut};
@@ -29,9 +38,9 @@ pub(crate) use loom::sync::atomic::{AtomicUsize, Ordering};
 #[cfg(loom)]
 use loom::sync::{Mutex, MutexGuard};
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{AtomicUsize, Ordering};
+use parking_lot::{Mutex, MutexGuard};
 #[cfg(not(loom))]
-use std::sync::{Mutex, MutexGuard};
+pub(crate) use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// A lock's place in the order: a thread may only take a lock of a higher rank than
 /// every lock it holds.
@@ -50,6 +59,7 @@ impl Rank {
         1 << self as u8
     }
 
+    #[cfg(any(debug_assertions, loom))]
     fn name(self) -> &'static str {
         match self {
             Rank::Cq => "a completion-queue",
@@ -146,10 +156,13 @@ impl<T> Ranked<T> {
     pub fn lock(&self) -> RankedGuard<'_, T> {
         #[cfg(any(debug_assertions, loom))]
         held::acquire(self.rank);
+        #[cfg(not(loom))]
+        let g = self.m.lock();
+        // loom's mutex poisons as std's does: a model's panic is its failure anyway.
+        #[cfg(loom)]
         let g = match self.m.lock() {
             Ok(g) => g,
             Err(_) => {
-                #[cfg(any(debug_assertions, loom))]
                 held::release(self.rank);
                 panic!("{} lock is poisoned", self.rank.name());
             }
