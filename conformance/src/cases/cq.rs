@@ -372,6 +372,54 @@ fn drain_unsignaled(ctx: &Ctx) -> CaseResultOf {
 /// always does), those behind it complete Flushed, and the successful ones before it
 /// report nothing.
 fn unsignaled_error(ctx: &Ctx) -> CaseResultOf {
+    match unsignaled_error_once(ctx) {
+        Err(Attempt::TerminateLost(why)) => {
+            // Once more: two lost Terminates in a row fail the case.
+            eprintln!(
+                "note: cq.unsignaled_error_among_unsignaled [{}]: {why}; running it again",
+                ctx.provider
+            );
+            unsignaled_error_once(ctx).map_err(|a| match a {
+                Attempt::Failed(e) => e,
+                Attempt::TerminateLost(e) => format!("{e}, twice in a row"),
+            })
+        }
+        r => r.map_err(|a| match a {
+            Attempt::Failed(e) | Attempt::TerminateLost(e) => e,
+        }),
+    }
+}
+
+/// Why one run of [`unsignaled_error`] failed.
+enum Attempt {
+    /// The case's expectation does not hold.
+    Failed(String),
+    /// The tcp provider against the iwarp provider on siw: siw reset the connection
+    /// before its Terminate left, and the tcp provider blamed the oldest write it had no
+    /// confirmation of, as docs/contract.md section 7 says it does ("a Terminate siw did
+    /// not send"). Nothing names the refused write then; the attribution the case checks
+    /// needs the Terminate.
+    TerminateLost(String),
+}
+
+impl From<String> for Attempt {
+    fn from(e: String) -> Self {
+        Attempt::Failed(e)
+    }
+}
+
+/// Whether `c`, the first completion of [`unsignaled_error_once`], is the tcp provider's
+/// inference after siw reset the connection without its Terminate: a good write (0-4)
+/// blamed, with no code of the peer's (a Terminate's would be there).
+fn terminate_lost(ctx: &Ctx, c: &Completion) -> bool {
+    ctx.initiator == "tcp"
+        && ctx.target == "iwarp"
+        && c.context < 5
+        && c.status == Status::Error(ErrorKind::RemoteAccess)
+        && c.provider_code.is_none()
+}
+
+fn unsignaled_error_once(ctx: &Ctx) -> Result<(), Attempt> {
     let p = ctx.pair()?;
     let src = region(&p.da, 64, Access::empty())?;
     let dst = region(&p.db, 64 * 8, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
@@ -391,11 +439,22 @@ fn unsignaled_error(ctx: &Ctx) -> CaseResultOf {
         {
             Ok(()) => behind.push(i),
             Err(e) if e.kind() == ErrorKind::InvalidState => break,
-            Err(e) => return Err(format!("posting write {i} behind the bad one: {e}")),
+            Err(e) => {
+                return Err(format!("posting write {i} behind the bad one: {e}").into());
+            }
         }
     }
-    expect_err(&p.cqa, 50, ErrorKind::RemoteAccess)
-        .map_err(|e| format!("the unsignaled bad-key write after five good ones: {e}"))?;
+    let c = next(&p.cqa, Duration::from_secs(10))?;
+    if c.context != 50 || c.status != Status::Error(ErrorKind::RemoteAccess) {
+        let why = format!(
+            "the unsignaled bad-key write after five good ones: expected RemoteAccess for context 50, got {c:?}"
+        );
+        return Err(if terminate_lost(ctx, &c) {
+            Attempt::TerminateLost(format!("{why} (siw sent no Terminate)"))
+        } else {
+            Attempt::Failed(why)
+        });
+    }
     for i in behind {
         expect_err(&p.cqa, i, ErrorKind::Flushed)
             .map_err(|e| format!("unsignaled write {i} behind the failed one: {e}"))?;
@@ -1067,4 +1126,43 @@ fn name_their_endpoint(ctx: &Ctx) -> CaseResultOf {
         flushed.ep_context
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only the documented inference (tcp against iwarp, a good write blamed without the
+    /// peer's code) earns the case its second run.
+    #[test]
+    fn only_the_tcp_providers_inference_against_siw_counts_as_a_lost_terminate() {
+        use fabric::ProviderCode;
+        let blamed = |context, code: Option<ProviderCode>| Completion {
+            context,
+            opcode: Opcode::Write,
+            status: Status::Error(ErrorKind::RemoteAccess),
+            provider_code: code,
+            byte_len: 0,
+            imm: None,
+            ep_context: 0,
+        };
+        let mixed = Ctx::mixed("tcp", "iwarp", None);
+        assert!(terminate_lost(&mixed, &blamed(1, None)));
+        // A Terminate's code, the bad write itself, another pair, another error: no.
+        assert!(!terminate_lost(
+            &mixed,
+            &blamed(1, Some(ProviderCode::Errno(1)))
+        ));
+        assert!(!terminate_lost(&mixed, &blamed(50, None)));
+        assert!(!terminate_lost(
+            &Ctx::mixed("iwarp", "tcp", None),
+            &blamed(1, None)
+        ));
+        assert!(!terminate_lost(&Ctx::new("tcp", None), &blamed(1, None)));
+        let flushed = Completion {
+            status: Status::Error(ErrorKind::Flushed),
+            ..blamed(1, None)
+        };
+        assert!(!terminate_lost(&mixed, &flushed));
+    }
 }
