@@ -225,6 +225,25 @@ mod tests {
         let _b = ep.lock();
     }
 
+    /// A panic while a lock is held does not poison it: the lock is taken again, with
+    /// the value as the panic left it, and the order check forgot the unwound hold.
+    #[test]
+    fn a_panic_under_a_lock_leaves_it_usable() {
+        let cq = Ranked::new(Rank::Cq, 0u32);
+        let ep = Ranked::new(Rank::Endpoint, 0u32);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut g = ep.lock();
+            *g = 7;
+            panic!("a bug under the endpoint lock");
+        }));
+        assert!(r.is_err());
+        assert_eq!(*ep.lock(), 7, "the lock is usable after the panic");
+        // The endpoint's rank was released as the guard unwound: the queue's lock, then
+        // the endpoint's, is still the allowed order.
+        let _a = cq.lock();
+        let _b = ep.lock();
+    }
+
     #[test]
     #[cfg(debug_assertions)]
     #[should_panic(
