@@ -14,7 +14,9 @@
  * and every doorbell. The log is written at exit to $RXE_STAMPS_OUT-<tag>-<pid>.txt
  * (default /tmp/rxe-stamps), one event per line: kind (L, U, W), lock address, TSC, the
  * hot lock's latest lock and unlock TSC. Each stamp adds about 20-40 ns in the soft-RDMA
- * guest, the same for every program measured.
+ * guest, the same for every program measured. The log is not guarded: meant for a
+ * ping-pong whose polls and posts come from one thread (events of another thread taking
+ * librxe's locks at the same moment may be lost or mixed in).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>

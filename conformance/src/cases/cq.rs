@@ -384,9 +384,8 @@ fn unsignaled_error(ctx: &Ctx) -> CaseResultOf {
                 Attempt::TerminateLost(e) => format!("{e}, twice in a row"),
             })
         }
-        r => r.map_err(|a| match a {
-            Attempt::Failed(e) | Attempt::TerminateLost(e) => e,
-        }),
+        Err(Attempt::Failed(e)) => Err(e),
+        Ok(()) => Ok(()),
     }
 }
 
