@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Instructions per iteration of one loop, by function and by instruction, from two
+callgrind runs of the same binary that differ only in their iteration count.
+
+Run the program twice under `valgrind --tool=callgrind --dump-instr=yes`, with N1 and N2
+iterations (the same warm-up); the difference of the two profiles, divided by N2 - N1, is
+what one iteration costs, free of start-up and connection set-up. Costs are exclusive
+(each instruction counted where it runs, calls not included) and kept for one object (the
+binary, not the libraries it calls).
+
+    cg-instr.py BEFORE.out AFTER.out --iters N2-N1 --binary PATH [--top K]
+    cg-instr.py BEFORE.out AFTER.out --iters N2-N1 --binary PATH --annotate 'crate::Type::fn'
+
+The first form prints the functions that cost most per iteration. The second prints the
+named function's instructions that ran (with their source lines, from `objdump -dl`) and a
+running sum: where in a function its instructions go. Needs binutils (`nm`, `objdump`).
+
+Example (the soft-RDMA guest, the server of the 8-byte send ping-pong):
+
+    valgrind --tool=callgrind --dump-instr=yes --callgrind-out-file=s2000.out \\
+        fabric perf lat --op send --size 8 --role server --listen ADDR:7471 --provider roce &
+    fabric perf lat --op send --size 8 --iters 2000 --warmup 100 --spin --provider roce \\
+        --role client --connect ADDR:7471
+    (the same with 6000 iterations into s6000.out; stop each server with SIGINT)
+    cg-instr.py s2000.out s6000.out --iters 4000 --binary target/release/fabric
+"""
+import argparse
+import bisect
+import collections
+import re
+import subprocess
+import sys
+
+
+def costs(path, binary):
+    """Exclusive Ir per instruction address of the object whose path ends in `binary`."""
+    out = collections.Counter()
+    names = {}
+    ob = None
+    addr = 0
+    after_calls = False
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"(c?ob)=\((\d+)\)\s*(.*)", line)
+            if m:
+                if m.group(3):
+                    names[m.group(2)] = m.group(3).strip()
+                if m.group(1) == "ob":
+                    ob = names.get(m.group(2), "")
+                continue
+            if line.startswith("calls="):
+                # The next cost line is the call's inclusive cost: not this object's own.
+                after_calls = True
+                continue
+            if line[:1] in "0123456789+-*":
+                parts = line.split()
+                a = parts[0]
+                if a.startswith("0x"):
+                    addr = int(a, 16)
+                elif a[0] == "+":
+                    addr += int(a[1:])
+                elif a[0] == "-":
+                    addr -= int(a[1:])
+                if after_calls:
+                    after_calls = False
+                    continue
+                # positions: instr line, then the event (Ir).
+                if len(parts) >= 3 and ob and ob.endswith(binary):
+                    out[addr] += int(parts[2])
+            elif not line.startswith(("cfn", "cfi", "cfl", "cob")):
+                after_calls = False
+    if not out:
+        sys.exit(f"cg-instr.py: {path}: no costs for an object ending in {binary!r} "
+                 "(was it run with --dump-instr=yes?)")
+    return out
+
+
+def symbols(binary):
+    text = subprocess.run(["nm", "-C", "-n", "--defined-only", binary],
+                          capture_output=True, text=True, check=True).stdout
+    syms = []
+    for line in text.splitlines():
+        m = re.match(r"([0-9a-f]+) [tTwW] (.*)", line)
+        if m:
+            syms.append((int(m.group(1), 16), m.group(2)))
+    return syms
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("before")
+    ap.add_argument("after")
+    ap.add_argument("--iters", type=float, required=True,
+                    help="how many more iterations the second run made")
+    ap.add_argument("--binary", required=True, help="the profiled program's path")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--annotate", metavar="FUNCTION")
+    ap.add_argument("--min", type=float, default=0.5,
+                    help="with --annotate: hide instructions run fewer times per iteration")
+    a = ap.parse_args()
+
+    before, after = costs(a.before, a.binary), costs(a.after, a.binary)
+    per = {k: (after[k] - before[k]) / a.iters for k in set(before) | set(after)}
+    syms = symbols(a.binary)
+    starts = [s for s, _ in syms]
+
+    def owner(addr):
+        i = bisect.bisect_right(starts, addr) - 1
+        return i if i >= 0 else None
+
+    if a.annotate is None:
+        by_fn = collections.Counter()
+        for addr, v in per.items():
+            i = owner(addr)
+            by_fn[syms[i][1] if i is not None else "?"] += v
+        print(f"{sum(per.values()):9.1f}  all of {a.binary} per iteration")
+        for name, v in by_fn.most_common(a.top):
+            print(f"{v:9.1f}  {name}")
+        return
+
+    # The named function's copy that costs most (generic functions have several).
+    best = None
+    for i, (s, name) in enumerate(syms[:-1]):
+        if name == a.annotate:
+            end = syms[i + 1][0]
+            t = sum(v for addr, v in per.items() if s <= addr < end)
+            if best is None or t > best[0]:
+                best = (t, s, end)
+    if best is None:
+        sys.exit(f"cg-instr.py: no function named {a.annotate!r} in {a.binary}")
+    total, lo, hi = best
+    dis = subprocess.run(["objdump", "-dl", "--no-show-raw-insn", "-C",
+                          f"--start-address={lo}", f"--stop-address={hi}", a.binary],
+                         capture_output=True, text=True, check=True).stdout
+    where = None
+    run = 0.0
+    for line in dis.splitlines():
+        m = re.match(r"^\s+([0-9a-f]+):\s+(.*)$", line)
+        if m:
+            v = per.get(int(m.group(1), 16), 0.0)
+            if v >= a.min:
+                run += v
+                if where:
+                    print(f"    {where}   [running sum {run:.0f}]")
+                    where = None
+                print(f"{v:6.1f}  {m.group(1)}  {m.group(2)}")
+        elif line.startswith("/"):
+            where = line.rsplit("/", 1)[-1]
+    print(f"{total:.1f} instructions per iteration in {a.annotate}")
+
+
+if __name__ == "__main__":
+    main()
