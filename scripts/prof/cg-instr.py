@@ -41,6 +41,9 @@ def costs(path, binary):
     after_calls = False
     with open(path) as f:
         for line in f:
+            if line.startswith("positions:") and line.split()[1:3] != ["instr", "line"]:
+                sys.exit(f"cg-instr.py: {path}: positions are {line.split()[1:]}, not "
+                         "instr and line: run callgrind with --dump-instr=yes")
             m = re.match(r"(c?ob)=\((\d+)\)\s*(.*)", line)
             if m:
                 if m.group(3):
