@@ -11,8 +11,8 @@
  *
  * The lock taken most often (a spinning poll's completion queue) is "hot": only its
  * latest lock and unlock times are kept; every other lock and unlock is logged with them,
- * and every doorbell. The log is written at exit to $RXE_STAMPS_OUT-<tag>-<pid>.txt
- * (default /tmp/rxe-stamps), one event per line: kind (L, U, W), lock address, TSC, the
+ * and every doorbell, at its call and at its return. The log is written at exit to $RXE_STAMPS_OUT-<tag>-<pid>.txt
+ * (default /tmp/rxe-stamps), one event per line: kind (L, U, W, R), lock address, TSC, the
  * hot lock's latest lock and unlock TSC. Each stamp adds about 20-40 ns in the soft-RDMA
  * guest, the same for every program measured. The log is not guarded: meant for a
  * ping-pong whose polls and posts come from one thread (events of another thread taking
@@ -90,8 +90,12 @@ ssize_t write(int fd, const void *buf, size_t len)
 		real_write = dlsym(RTLD_NEXT, "write");
 	unsigned long long t = __rdtsc();
 	ssize_t r = real_write(fd, buf, len);
-	if (len == 32)
+	if (len == 32) {
 		note('W', NULL, t);
+		/* The doorbell's return: what the kernel did in the call (rxe runs the request,
+		 * and on loopback the peer's side and often the reply, inside it). */
+		note('R', NULL, __rdtsc());
+	}
 	return r;
 }
 
