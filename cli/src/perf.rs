@@ -495,7 +495,7 @@ pub(crate) fn run(args: PerfArgs) -> Result<ExitCode, String> {
             if args.connect.is_some() {
                 return Err("--connect is for --role client; the server takes --listen".into());
             }
-            server(&args)
+            server(&args, &plan)
         }
         Some(Role::Client) => {
             if args.listen.is_some() {
@@ -525,7 +525,7 @@ fn open(args: &PerfArgs, op: Op) -> Result<(AnyDomain, fabric::SelectionReport),
         .map_err(|e| e.to_string())
 }
 
-fn server(args: &PerfArgs) -> Result<ExitCode, String> {
+fn server(args: &PerfArgs, plan: &Plan) -> Result<ExitCode, String> {
     let (domain, _) = open(args, args.op)?;
     let listen = args
         .listen
@@ -540,7 +540,10 @@ fn server(args: &PerfArgs) -> Result<ExitCode, String> {
     // The one line the server prints: `fabric perf` without a role reads it.
     println!("listening on {}", listener.local_addr());
     std::io::stdout().flush().map_err(|e| e.to_string())?;
-    run::serve(&domain, &listener)?;
+    // Its queues sized to its own test (a client that asks for more receives is told
+    // fewer: `run::serve`).
+    let queues = run::Queues::for_test(plan.test, plan.window, true);
+    run::serve(&domain, &listener, queues)?;
     Ok(ExitCode::SUCCESS)
 }
 

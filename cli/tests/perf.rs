@@ -71,6 +71,26 @@ fn every_test_and_operation_runs_on_tcp() {
     }
 }
 
+/// A send test whose window exceeds the receives a server's queues hold (1 008 for a
+/// bandwidth test) runs with as many as it holds, which its reply tells the client:
+/// before, the server failed to post its 1 025th receive ("receive queue of depth 1024
+/// is full"). A latency test with a wide window gets the receives it asks for.
+#[test]
+fn a_send_window_wider_than_the_servers_queues_runs_with_what_they_hold() {
+    for args in [
+        "bw --op send --window 2048 --size 8 --iters 3000 --provider tcp --format json",
+        "lat --op send --window 300 --size 8 --iters 500 --provider tcp --format json",
+    ] {
+        let v = perf_json(args);
+        assert!(
+            v["rows"][0]["usec_per_xfer"]
+                .as_f64()
+                .is_some_and(|u| u > 0.0),
+            "{args}: {v}"
+        );
+    }
+}
+
 #[test]
 fn the_tagged_pingpong_runs_over_rdm_endpoints_and_refuses_bw() {
     for test in ["pingpong", "lat"] {

@@ -449,12 +449,61 @@ fn send_ctrl(
     r.post(|| ep.post_send(&SendWr::send(ctx, &sgl).inline()))
 }
 
-fn endpoint_config(cq: &AnyCq, depth: u64) -> EndpointConfig<'_, AnyCq> {
-    let mut cfg = EndpointConfig::new(cq);
-    cfg.sq_depth = (depth as u32).max(256);
-    cfg.rq_depth = (depth as u32).max(256);
-    cfg.timeout = Duration::from_secs(30);
-    cfg
+/// The queues one side of a test uses: completion-queue entries, and the depth of both
+/// the send and the receive queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Queues {
+    cq: usize,
+    depth: u32,
+}
+
+impl Queues {
+    /// Room beyond the data's: control messages and their replies.
+    const SLACK: u64 = 16;
+
+    /// What a side of `test` needs. A ping-pong or latency test keeps one transfer in
+    /// flight, up to [`PINGPONG_SIGNAL`] unsignaled sends awaiting a signaled one, and up
+    /// to `window.max(ECHO_RECVS)` receives posted: queues sized to that, as perftest's
+    /// `_lat` tools size theirs (a send queue of 1, `ib_send_lat` up to 512 receives).
+    /// Deeper queues cost a latency test on a device whose queues live in host memory:
+    /// each request writes a slot last written a whole ring ago, and the rings of a
+    /// verbs queue pair whose entries have room for the device's maximum gather list
+    /// span hundreds of KiB (rxe in the soft-RDMA guest: BENCHMARKS.md, fortieth
+    /// session). A bandwidth test keeps `window` outstanding: the client twice that (the
+    /// server's echo receives are its own), the server 1 024 (it learns the window from
+    /// the client's hello, after its queues exist); at least 256 and 4 096 entries.
+    pub(crate) fn for_test(test: Test, window: u64, server: bool) -> Queues {
+        match test {
+            Test::Pingpong | Test::Lat => {
+                let depth = window.max(ECHO_RECVS).max(PINGPONG_SIGNAL) + Self::SLACK;
+                Queues {
+                    cq: 2 * depth as usize,
+                    depth: depth as u32,
+                }
+            }
+            Test::Bw if server => Queues {
+                cq: 4096,
+                depth: 1024,
+            },
+            Test::Bw => Queues {
+                cq: (window as usize * 4).max(4096),
+                depth: (window as u32 * 2).max(256),
+            },
+        }
+    }
+
+    /// Receives a server of these queues can keep posted besides its control message.
+    fn recvs(self) -> u64 {
+        u64::from(self.depth) - Self::SLACK
+    }
+
+    fn endpoint_config(self, cq: &AnyCq) -> EndpointConfig<'_, AnyCq> {
+        let mut cfg = EndpointConfig::new(cq);
+        cfg.sq_depth = self.depth;
+        cfg.rq_depth = self.depth;
+        cfg.timeout = Duration::from_secs(30);
+        cfg
+    }
 }
 
 /// The hello's `c`: the client's polling mode, and the transmit and server-polls bits.
@@ -506,10 +555,14 @@ impl ServerModes {
 }
 
 /// The server: accepts one client and runs the phases it asks for.
-pub(crate) fn serve(domain: &AnyDomain, listener: &AnyListener) -> Result<(), String> {
-    let cq = domain.create_cq(4096).map_err(e("create_cq"))?;
+pub(crate) fn serve(
+    domain: &AnyDomain,
+    listener: &AnyListener,
+    queues: Queues,
+) -> Result<(), String> {
+    let cq = domain.create_cq(queues.cq).map_err(e("create_cq"))?;
     let ep = listener
-        .accept(&endpoint_config(&cq, 1024), IDLE)
+        .accept(&queues.endpoint_config(&cq), IDLE)
         .map_err(e("accept"))?;
     let hello_mr = domain
         .alloc(CTRL_LEN, Access::LOCAL_WRITE)
@@ -539,6 +592,9 @@ pub(crate) fn serve(domain: &AnyDomain, listener: &AnyListener) -> Result<(), St
         .alloc(max_size, Access::LOCAL_WRITE)
         .map_err(e("register"))?;
     let (nrecv, slot) = server_recvs(op, hello.a, hello.b);
+    // A client whose test needs more receives than these queues hold (its window) is
+    // told fewer in the reply, and keeps that many outstanding.
+    let nrecv = nrecv.min(queues.recvs());
     let slot = slot as usize;
     let pool = domain
         .alloc(slot * nrecv as usize, Access::LOCAL_WRITE)
@@ -647,11 +703,10 @@ pub(crate) fn client(
         return Err("--op tagged runs over rdm endpoints (perf/tagged.rs), not here".into());
     }
     let max_size = plan.max_size().max(CTRL_LEN as u64) as usize;
-    let cq = domain
-        .create_cq((plan.window as usize * 4).max(4096))
-        .map_err(e("create_cq"))?;
+    let queues = Queues::for_test(plan.test, plan.window, false);
+    let cq = domain.create_cq(queues.cq).map_err(e("create_cq"))?;
     let ep = domain
-        .connect(addr, &endpoint_config(&cq, plan.window * 2))
+        .connect(addr, &queues.endpoint_config(&cq))
         .map_err(|err| format!("connect to {addr}: {err}"))?;
     let target = domain
         .alloc(max_size, Access::all())
@@ -1010,6 +1065,35 @@ mod tests {
         assert!(emptied >= 3, "the backlog drained to empty in each block");
     }
 
+    /// A latency test's queues hold what its loop keeps outstanding (its echo receives
+    /// or window, the unsignaled sends before a signaled one, and the control messages)
+    /// and no more; a bandwidth test's hold its window as before.
+    #[test]
+    fn queues_are_sized_to_the_test() {
+        for test in [Test::Lat, Test::Pingpong] {
+            for server in [false, true] {
+                let q = Queues::for_test(test, 64, server);
+                assert_eq!(q.depth, 80);
+                assert!(q.recvs() >= ECHO_RECVS && q.recvs() >= PINGPONG_SIGNAL);
+                assert!(
+                    q.cq >= 2 * q.depth as usize,
+                    "room for both queues' completions"
+                );
+                let wide = Queues::for_test(test, 1000, server);
+                assert_eq!(wide.recvs(), 1000, "a wider window gets its receives");
+            }
+        }
+        assert_eq!(
+            Queues::for_test(Test::Bw, 64, false),
+            Queues {
+                cq: 4096,
+                depth: 256
+            }
+        );
+        assert_eq!(Queues::for_test(Test::Bw, 2048, false).depth, 4096);
+        assert_eq!(Queues::for_test(Test::Bw, 2048, true).depth, 1024);
+    }
+
     /// `Reaper::post`'s retry path: a send queue of depth 2 refuses a third write until a
     /// poll frees room; every write is posted once and completes (tcp provider, loopback,
     /// in one process).
@@ -1029,7 +1113,7 @@ mod tests {
             s.spawn(move || {
                 let cq = dom.create_cq(64).unwrap();
                 let _ep = lis
-                    .accept(&endpoint_config(&cq, 2), Duration::from_secs(10))
+                    .accept(&EndpointConfig::new(&cq), Duration::from_secs(10))
                     .unwrap();
                 // Held until the client saw every completion, or failed (the sender
                 // dropped as its panic unwinds: the test fails, it does not hang).
