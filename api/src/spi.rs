@@ -34,6 +34,17 @@ pub struct EndpointConfig<'a, C> {
     /// ([`Completion::ep_context`]): which endpoint a completion came from, on a queue
     /// that many endpoints share. 0 unless set.
     pub ep_context: u64,
+    /// The most gather/scatter entries a request of this endpoint may carry (libfabric's
+    /// `iov_limit`): `None` for the domain's [`Limits::max_sge`](crate::Limits::max_sge),
+    /// else 1 up to it. A request with more is refused (`InvalidArgument`) as one above
+    /// the domain's limit is. Less than the domain's can make every request cheaper: a
+    /// verbs queue pair's entries are sized to the largest list and inline payload it
+    /// takes.
+    pub max_sge: Option<u32>,
+    /// The largest inline payload of this endpoint (libfabric's `inject_size`): `None`
+    /// for the domain's [`Limits::max_inline`](crate::Limits::max_inline), else 0 up to
+    /// it. An inline request above it is refused (`InvalidArgument`).
+    pub max_inline: Option<u32>,
 }
 
 impl<C> Clone for EndpointConfig<'_, C> {
@@ -55,7 +66,36 @@ impl<'a, C> EndpointConfig<'a, C> {
             private_data: &[],
             timeout: Duration::from_secs(10),
             ep_context: 0,
+            max_sge: None,
+            max_inline: None,
         }
+    }
+
+    /// The gather/scatter and inline limits of an endpoint of this configuration in a
+    /// domain of `limits`: the configured ones, or the domain's. An error
+    /// (`InvalidArgument`) names a limit outside what the domain allows.
+    pub fn request_limits(&self, limits: &crate::Limits) -> Result<(u32, u32)> {
+        let sge = match self.max_sge {
+            None => limits.max_sge,
+            Some(n) if (1..=limits.max_sge).contains(&n) => n,
+            Some(n) => {
+                return Err(crate::Error::invalid(format!(
+                    "max_sge {n} outside 1..={} (the domain's)",
+                    limits.max_sge
+                )))
+            }
+        };
+        let inline = match self.max_inline {
+            None => limits.max_inline,
+            Some(n) if n <= limits.max_inline => n,
+            Some(n) => {
+                return Err(crate::Error::invalid(format!(
+                    "max_inline {n} above the domain's {}",
+                    limits.max_inline
+                )))
+            }
+        };
+        Ok((sge, inline))
     }
 
     /// The same configuration over other completion queues (used by run-time dispatch).
@@ -71,6 +111,8 @@ impl<'a, C> EndpointConfig<'a, C> {
             private_data: self.private_data,
             timeout: self.timeout,
             ep_context: self.ep_context,
+            max_sge: self.max_sge,
+            max_inline: self.max_inline,
         }
     }
 }
@@ -93,6 +135,10 @@ pub struct OwnedEndpointConfig<C> {
     pub timeout: Duration,
     /// The application's value for the endpoint's completions.
     pub ep_context: u64,
+    /// Gather/scatter entries per request (`None`: the domain's limit).
+    pub max_sge: Option<u32>,
+    /// Largest inline payload (`None`: the domain's limit).
+    pub max_inline: Option<u32>,
 }
 
 impl<C: Clone> OwnedEndpointConfig<C> {
@@ -106,6 +152,8 @@ impl<C: Clone> OwnedEndpointConfig<C> {
             private_data: cfg.private_data.to_vec(),
             timeout: cfg.timeout,
             ep_context: cfg.ep_context,
+            max_sge: cfg.max_sge,
+            max_inline: cfg.max_inline,
         }
     }
 
@@ -119,6 +167,8 @@ impl<C: Clone> OwnedEndpointConfig<C> {
             private_data: &self.private_data,
             timeout: self.timeout,
             ep_context: self.ep_context,
+            max_sge: self.max_sge,
+            max_inline: self.max_inline,
         }
     }
 }

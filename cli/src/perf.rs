@@ -542,7 +542,13 @@ fn server(args: &PerfArgs, plan: &Plan) -> Result<ExitCode, String> {
     std::io::stdout().flush().map_err(|e| e.to_string())?;
     // Its queues sized to its own test (a client that asks for more receives is told
     // fewer: `run::serve`).
-    let queues = run::Queues::for_test(plan.test, plan.window, true);
+    let queues = run::Queues::for_test(
+        plan.test,
+        plan.window,
+        true,
+        plan.max_size(),
+        &domain.info().caps.limits,
+    );
     run::serve(&domain, &listener, queues)?;
     Ok(ExitCode::SUCCESS)
 }

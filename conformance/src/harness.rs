@@ -328,11 +328,15 @@ impl Ctx {
         cfg_a.rq_depth = opts.rq_depth;
         cfg_a.private_data = &opts.private_a;
         cfg_a.ep_context = opts.ep_context_a;
+        cfg_a.max_sge = opts.max_sge;
+        cfg_a.max_inline = opts.max_inline;
         let mut cfg_b = EndpointConfig::new(&cqb);
         cfg_b.sq_depth = opts.sq_depth;
         cfg_b.rq_depth = opts.rq_depth;
         cfg_b.private_data = &opts.private_b;
         cfg_b.ep_context = opts.ep_context_b;
+        cfg_b.max_sge = opts.max_sge;
+        cfg_b.max_inline = opts.max_inline;
         let (a, b) = connect_accept(&listener, &da, &cfg_a, &cfg_b, self.timeout)?;
         Ok(Pair {
             da,
@@ -414,6 +418,10 @@ pub struct PairOpts {
     pub ep_context_a: u64,
     /// `ep_context` of the accepting side's endpoint.
     pub ep_context_b: u64,
+    /// Both endpoints' gather/scatter limit (`None`: the domain's).
+    pub max_sge: Option<u32>,
+    /// Both endpoints' inline limit (`None`: the domain's).
+    pub max_inline: Option<u32>,
 }
 
 impl Default for PairOpts {
@@ -426,6 +434,8 @@ impl Default for PairOpts {
             private_b: Vec::new(),
             ep_context_a: 0,
             ep_context_b: 0,
+            max_sge: None,
+            max_inline: None,
         }
     }
 }

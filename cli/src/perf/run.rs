@@ -450,11 +450,14 @@ fn send_ctrl(
 }
 
 /// The queues one side of a test uses: completion-queue entries, and the depth of both
-/// the send and the receive queue.
+/// the send and the receive queue; and the endpoint's request limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Queues {
     cq: usize,
     depth: u32,
+    /// The endpoint's gather/scatter and inline limits (`None`: the domain's).
+    max_sge: Option<u32>,
+    max_inline: Option<u32>,
 }
 
 impl Queues {
@@ -472,24 +475,51 @@ impl Queues {
     /// session). A bandwidth test keeps `window` outstanding: the client twice that (the
     /// server's echo receives are its own), the server 1 024 (it learns the window from
     /// the client's hello, after its queues exist); at least 256 and 4 096 entries.
-    pub(crate) fn for_test(test: Test, window: u64, server: bool) -> Queues {
+    ///
+    /// Every request of either side has one entry, and a latency test's endpoints say so
+    /// (`max_sge` 1) and take inline payloads up to the larger of its largest message
+    /// (`max_size`) and a control message, within the domain's `max_inline`: a verbs
+    /// queue pair's entries are then sized to those, not to the device's maximum list
+    /// (rxe: 32 entries, 512 bytes of every entry; BENCHMARKS.md, fortieth session).
+    pub(crate) fn for_test(
+        test: Test,
+        window: u64,
+        server: bool,
+        max_size: u64,
+        limits: &fabric::Limits,
+    ) -> Queues {
         match test {
             Test::Pingpong | Test::Lat => {
                 let depth = window.max(ECHO_RECVS).max(PINGPONG_SIGNAL) + Self::SLACK;
+                let inline = max_size
+                    .max(CTRL_LEN as u64)
+                    .min(u64::from(limits.max_inline));
                 Queues {
                     cq: 2 * depth as usize,
                     depth: depth as u32,
+                    max_sge: Some(1),
+                    max_inline: Some(inline as u32),
                 }
             }
             Test::Bw if server => Queues {
                 cq: 4096,
                 depth: 1024,
+                max_sge: None,
+                max_inline: None,
             },
             Test::Bw => Queues {
                 cq: (window as usize * 4).max(4096),
                 depth: (window as u32 * 2).max(256),
+                max_sge: None,
+                max_inline: None,
             },
         }
+    }
+
+    /// The largest payload an endpoint of these queues in a domain of `limits` sends
+    /// inline.
+    fn inline_limit(self, limits: &fabric::Limits) -> u64 {
+        u64::from(self.max_inline.unwrap_or(limits.max_inline))
     }
 
     /// Receives a server of these queues can keep posted besides its control message.
@@ -501,6 +531,8 @@ impl Queues {
         let mut cfg = EndpointConfig::new(cq);
         cfg.sq_depth = self.depth;
         cfg.rq_depth = self.depth;
+        cfg.max_sge = self.max_sge;
+        cfg.max_inline = self.max_inline;
         cfg.timeout = Duration::from_secs(30);
         cfg
     }
@@ -642,7 +674,7 @@ pub(crate) fn serve(
         match (test, op) {
             (Test::Pingpong | Test::Lat, Op::Send) => {
                 let src = [local.slice(0..size).map_err(e("slice"))?];
-                let inline = size as u64 <= domain.info().caps.limits.max_inline as u64;
+                let inline = size as u64 <= queues.inline_limit(&domain.info().caps.limits);
                 for _ in 0..count {
                     let c = r.next_recv(mode, STALL)?;
                     post_slot(c.context)?;
@@ -703,7 +735,13 @@ pub(crate) fn client(
         return Err("--op tagged runs over rdm endpoints (perf/tagged.rs), not here".into());
     }
     let max_size = plan.max_size().max(CTRL_LEN as u64) as usize;
-    let queues = Queues::for_test(plan.test, plan.window, false);
+    let queues = Queues::for_test(
+        plan.test,
+        plan.window,
+        false,
+        plan.max_size(),
+        &domain.info().caps.limits,
+    );
     let cq = domain.create_cq(queues.cq).map_err(e("create_cq"))?;
     let ep = domain
         .connect(addr, &queues.endpoint_config(&cq))
@@ -757,7 +795,7 @@ pub(crate) fn client(
             .window
             .min(u64::from(limits.max_outstanding_reads).max(1)),
     };
-    let max_inline = u64::from(limits.max_inline);
+    let max_inline = queues.inline_limit(&limits);
 
     let mut st = State {
         r,
@@ -1070,28 +1108,48 @@ mod tests {
     /// and no more; a bandwidth test's hold its window as before.
     #[test]
     fn queues_are_sized_to_the_test() {
+        let limits = fabric::Limits {
+            max_msg_size: 1 << 30,
+            max_inline: 400,
+            max_sge: 32,
+            max_send_queue: 16384,
+            max_recv_queue: 16384,
+            max_cq_entries: 65536,
+            max_outstanding_reads: 16,
+            max_private_data: 56,
+        };
         for test in [Test::Lat, Test::Pingpong] {
             for server in [false, true] {
-                let q = Queues::for_test(test, 64, server);
+                let q = Queues::for_test(test, 64, server, 8, &limits);
                 assert_eq!(q.depth, 80);
                 assert!(q.recvs() >= ECHO_RECVS && q.recvs() >= PINGPONG_SIGNAL);
                 assert!(
                     q.cq >= 2 * q.depth as usize,
                     "room for both queues' completions"
                 );
-                let wide = Queues::for_test(test, 1000, server);
+                // One entry; inline up to a control message, or the largest message.
+                assert_eq!((q.max_sge, q.max_inline), (Some(1), Some(CTRL_LEN as u32)));
+                let q = Queues::for_test(test, 64, server, 256, &limits);
+                assert_eq!(q.inline_limit(&limits), 256);
+                let q = Queues::for_test(test, 64, server, 4096, &limits);
+                assert_eq!(q.inline_limit(&limits), 400, "within the domain's");
+                let wide = Queues::for_test(test, 1000, server, 8, &limits);
                 assert_eq!(wide.recvs(), 1000, "a wider window gets its receives");
             }
         }
+        let bw = Queues::for_test(Test::Bw, 64, false, 8, &limits);
         assert_eq!(
-            Queues::for_test(Test::Bw, 64, false),
-            Queues {
-                cq: 4096,
-                depth: 256
-            }
+            (bw.cq, bw.depth, bw.max_sge, bw.max_inline),
+            (4096, 256, None, None)
         );
-        assert_eq!(Queues::for_test(Test::Bw, 2048, false).depth, 4096);
-        assert_eq!(Queues::for_test(Test::Bw, 2048, true).depth, 1024);
+        assert_eq!(
+            Queues::for_test(Test::Bw, 2048, false, 8, &limits).depth,
+            4096
+        );
+        assert_eq!(
+            Queues::for_test(Test::Bw, 2048, true, 8, &limits).depth,
+            1024
+        );
     }
 
     /// `Reaper::post`'s retry path: a send queue of depth 2 refuses a third write until a

@@ -25,6 +25,7 @@ pub(super) fn cases() -> Vec<Case> {
         "msg.zero_byte_message_empty_receive", "3", OpSet::SEND => zero_byte_empty_receive;
         "msg.inline_buffer_free_at_once", "3", OpSet::SEND | OpSet::INLINE | OpSet::RNR_WAIT => inline_free;
         "msg.inline_over_max", "3", OpSet::SEND | OpSet::INLINE => inline_over_max;
+        "msg.endpoint_request_limits", "3", OpSet::SEND => endpoint_limits;
         "msg.two_processes", "3", OpSet::SEND => two_processes;
         "msg.more_posts_leave_in_order", "3", OpSet::SEND | OpSet::WRITE => more_posts;
         "msg.both_directions_at_once", "3", OpSet::SEND | OpSet::RNR_WAIT => both_directions;
@@ -495,6 +496,105 @@ fn inline_over_max(ctx: &Ctx) -> CaseResultOf {
             max + 1
         )),
     }
+}
+
+/// An endpoint configured with fewer gather/scatter entries and a smaller inline payload
+/// than its domain's refuses a request over them (`InvalidArgument`, nothing posted, the
+/// endpoint usable) and carries requests within them; a configuration beyond the domain's
+/// limits is refused when the endpoint is made.
+fn endpoint_limits(ctx: &Ctx) -> CaseResultOf {
+    // Within both sides' domains (a mixed pair's differ).
+    let domain_inline =
+        (ctx.info().caps.limits.max_inline).min(ctx.target_info().caps.limits.max_inline);
+    let inline = domain_inline.min(8);
+    let inlines = ctx.info().caps.ops.contains(OpSet::INLINE);
+    let p = ctx.pair_with(crate::harness::PairOpts {
+        max_sge: Some(1),
+        max_inline: Some(inline),
+        ..Default::default()
+    })?;
+    let src = region(&p.da, 64, Access::empty())?;
+    let dst = region(&p.db, 64, Access::LOCAL_WRITE)?;
+    src.buffer().write(0, b"abcdefghijklmnop");
+    let two = [src.slice(0..2).ctx("s")?, src.slice(2..4).ctx("s")?];
+    let invalid = |what: &str, r: fabric::Result<()>| match r {
+        Err(e) if e.kind() == ErrorKind::InvalidArgument => Ok(()),
+        other => Err(format!("{what} returned {other:?}")),
+    };
+    invalid(
+        "a send of 2 entries (max_sge 1)",
+        p.a.post_send(&SendWr::send(1, &two)),
+    )?;
+    invalid(
+        "a receive of 2 entries (max_sge 1)",
+        p.b.post_recv(&RecvWr::new(
+            2,
+            &[dst.slice(0..8).ctx("s")?, dst.slice(8..16).ctx("s")?],
+        )),
+    )?;
+    if inlines {
+        let over = [src.slice(0..inline as usize + 1).ctx("s")?];
+        invalid(
+            &format!(
+                "an inline send of {} bytes (max_inline {inline})",
+                inline + 1
+            ),
+            p.a.post_send(&SendWr::send(3, &over).inline()),
+        )?;
+    }
+    // Within the limits: one entry, and inline up to the endpoint's limit.
+    p.b.post_recv(&RecvWr::new(4, &[dst.slice(0..16).ctx("s")?]))
+        .ctx("post_recv")?;
+    p.b.post_recv(&RecvWr::new(5, &[dst.slice(16..32).ctx("s")?]))
+        .ctx("post_recv")?;
+    p.a.post_send(&SendWr::send(6, &[src.slice(0..16).ctx("s")?]))
+        .ctx("post_send of one entry")?;
+    let second = src.slice(0..inline as usize).ctx("s")?;
+    let second = if inline > 0 && inlines {
+        SendWr::send(7, std::slice::from_ref(&second)).inline()
+    } else {
+        SendWr::send(7, std::slice::from_ref(&second))
+    };
+    p.a.post_send(&second)
+        .ctx("post_send at the inline limit")?;
+    let r = expect_ok(&p.cqb, 4, Opcode::Recv)?;
+    ensure!(r.byte_len == 16, "first: {} bytes", r.byte_len);
+    let r = expect_ok(&p.cqb, 5, Opcode::Recv)?;
+    ensure!(
+        r.byte_len == u64::from(inline)
+            && dst.buffer().to_vec(16, inline as usize) == b"abcdefghijklmnop"[..inline as usize],
+        "second: {} bytes",
+        r.byte_len
+    );
+    expect_ok_each(&p.cqa, &[(6, Opcode::Send), (7, Opcode::Send)])?;
+    // Beyond the domain's limits, or no entry at all: refused before any connection.
+    let limits = p.da.info().caps.limits;
+    let cq = p.da.create_cq(8).ctx("create_cq")?;
+    let listener =
+        p.db.listen(std::net::SocketAddr::new(p.b.local_addr().ip(), 0))
+            .ctx("listen")?;
+    for (sge, inl) in [
+        (Some(limits.max_sge + 1), None),
+        (Some(0), None),
+        (None, Some(limits.max_inline + 1)),
+    ] {
+        let mut cfg = EndpointConfig::new(&cq);
+        cfg.max_sge = sge;
+        cfg.max_inline = inl;
+        cfg.timeout = Duration::from_secs(5);
+        match p.da.connect(listener.local_addr(), &cfg) {
+            Err(e) if e.kind() == ErrorKind::InvalidArgument => {}
+            other => {
+                return Err(format!(
+                "an endpoint of max_sge {sge:?}, max_inline {inl:?} (domain: {}, {}) returned {:?}",
+                limits.max_sge,
+                limits.max_inline,
+                other.map(|_| "an endpoint")
+            ))
+            }
+        }
+    }
+    Ok(())
 }
 
 fn two_processes(ctx: &Ctx) -> CaseResultOf {

@@ -232,6 +232,7 @@ impl TcpDomain {
         cfg: &EndpointConfig<'_, TcpCq>,
         neg: conn::Negotiated,
     ) -> Result<TcpEndpoint> {
+        let (max_sge, max_inline) = check_depths(cfg)?;
         sock.set_nodelay(true)?;
         dead_peer_detection(&sock, self.shared.opts.dead_peer_timeout)?;
         tracing::debug!(peer = ?sock.peer_addr().ok(), features = neg.features, crc = neg.crc, ord = neg.ord, "tcp endpoint connected");
@@ -245,6 +246,10 @@ impl TcpDomain {
             cfg.recv_cq.clone(),
             cfg.sq_depth as usize,
             cfg.rq_depth as usize,
+            conn::RequestLimits {
+                max_sge: max_sge as usize,
+                max_inline: max_inline as usize,
+            },
             self.shared.engine.clone(),
             cfg.ep_context,
         )?;
@@ -272,7 +277,10 @@ fn dead_peer_detection(sock: &TcpStream, bound: Duration) -> Result<()> {
     Ok(())
 }
 
-fn check_depths<C>(cfg: &EndpointConfig<'_, C>) -> Result<()> {
+/// Checks an endpoint configuration: its queue depths, and its gather/scatter and inline
+/// limits (returned: [`EndpointConfig::request_limits`] against this provider's).
+fn check_depths<C>(cfg: &EndpointConfig<'_, C>) -> Result<(u32, u32)> {
+    let limits = cfg.request_limits(&capabilities().limits)?;
     for (name, d) in [
         ("send queue", cfg.sq_depth),
         ("receive queue", cfg.rq_depth),
@@ -283,7 +291,7 @@ fn check_depths<C>(cfg: &EndpointConfig<'_, C>) -> Result<()> {
             )));
         }
     }
-    Ok(())
+    Ok(limits)
 }
 
 impl spi::Domain for TcpDomain {

@@ -365,6 +365,7 @@ impl DomainInner {
                 )));
             }
         }
+        cfg.request_limits(&self.limits)?;
         if cfg.private_data.len() > self.limits.max_private_data as usize {
             return Err(Error::invalid(format!(
                 "{} bytes of private data exceed the maximum of {} on {}",
@@ -420,7 +421,13 @@ impl DomainInner {
         })
     }
 
-    fn qp_caps(&self, sq: u32, rq: u32) -> QpCaps {
+    /// The queue pair for an endpoint of these depths whose requests carry at most `sge`
+    /// entries and `inline` bytes inline. Its entries are sized to those (an rxe entry
+    /// has room for the larger of `sge` entries and `inline` bytes: sized to the device's
+    /// maximum, its rings span hundreds of KiB; BENCHMARKS.md, fortieth session), except
+    /// where the provider posts requests of its own (credits, emulation, inlined small
+    /// payloads: iWARP), which keep the device's.
+    fn qp_caps(&self, sq: u32, rq: u32, sge: u32, inline: u32) -> QpCaps {
         let pieces = pieces(&self.dev, &self.profile) as u32;
         let extra = if self.profile.credits {
             CREDIT_SLOTS as u32
@@ -433,12 +440,14 @@ impl DomainInner {
         } else {
             0
         };
+        let p = &self.profile;
+        let own = p.credits || p.emulate || p.delivery_reads || p.small_page_crossing;
         QpCaps {
             send_wr: (sq * pieces + extra).min(self.dev.max_qp_wr),
             recv_wr: (rq + early).min(self.dev.max_qp_wr),
-            send_sge: self.dev.max_sge,
-            recv_sge: self.dev.max_sge,
-            inline: self.limits.max_inline,
+            send_sge: if own { self.dev.max_sge } else { sge },
+            recv_sge: if own { self.dev.max_sge } else { sge },
+            inline: if own { self.limits.max_inline } else { inline },
         }
     }
 
@@ -561,6 +570,9 @@ impl<F: Flavor> VerbsDomain<F> {
         (emu, foreign, early): (Option<EmuLink>, bool, Option<EarlyRing>),
         hw_sq_cap: usize,
     ) -> VerbsEndpoint<F> {
+        let (max_sge, max_inline) = cfg
+            .request_limits(&self.inner.limits)
+            .expect("checked with the configuration (check_cfg)");
         let core = EpCore::new(EpParts {
             id,
             dom: self.inner.clone(),
@@ -569,6 +581,8 @@ impl<F: Flavor> VerbsDomain<F> {
             sq_depth: cfg.sq_depth as usize,
             rq_depth: cfg.rq_depth as usize,
             hw_sq_cap,
+            max_sge,
+            max_inline,
             peer_private,
             credit,
             sink,
@@ -595,7 +609,8 @@ impl<F: Flavor> VerbsDomain<F> {
 
     fn make_qp(&self, id: &mut CmId, cfg: &EndpointConfig<'_, VerbsCq<F>>) -> Result<usize> {
         let d = &self.inner;
-        let caps = d.qp_caps(cfg.sq_depth, cfg.rq_depth);
+        let (sge, inline) = cfg.request_limits(&d.limits)?;
+        let caps = d.qp_caps(cfg.sq_depth, cfg.rq_depth, sge, inline);
         let got = id
             .create_qp(&d.pd, &cfg.send_cq.inner.hw, &cfg.recv_cq.inner.hw, caps)
             .map_err(|e| creation_error(&d.profile, "creating the queue pair", e))?;

@@ -294,6 +294,14 @@ struct State {
     hello_repeats: usize,
 }
 
+/// The gather/scatter and inline limits of an endpoint's requests
+/// ([`EndpointConfig::request_limits`](fabric_api::spi::EndpointConfig::request_limits)).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RequestLimits {
+    pub max_sge: usize,
+    pub max_inline: usize,
+}
+
 /// The shared state of one connection.
 #[derive(Debug)]
 pub(crate) struct Conn {
@@ -308,6 +316,7 @@ pub(crate) struct Conn {
     pub recv_cq: TcpCq,
     pub sq_depth: usize,
     pub rq_depth: usize,
+    pub limits: RequestLimits,
     st: Mutex<State>,
     tx: Mutex<TxQueue>,
     /// The receive machine; whoever makes progress try-locks it.
@@ -351,6 +360,7 @@ impl Conn {
         recv_cq: TcpCq,
         sq_depth: usize,
         rq_depth: usize,
+        limits: RequestLimits,
         engine: Arc<Engine>,
         ep_context: u64,
     ) -> io::Result<Arc<Conn>> {
@@ -371,6 +381,7 @@ impl Conn {
             recv_cq,
             sq_depth,
             rq_depth,
+            limits,
             st: Mutex::new(State {
                 status: EndpointState::Connected,
                 sq: VecDeque::new(),
@@ -702,11 +713,11 @@ impl Conn {
     // ----- posting -----------------------------------------------------------------
 
     fn gather(&self, sgl: &[fabric_api::Slice<'_>], need: Access) -> Result<(Sges, usize)> {
-        if sgl.len() > crate::MAX_SGE as usize {
+        if sgl.len() > self.limits.max_sge {
             return Err(Error::invalid(format!(
-                "{} gather entries exceed the maximum of {}",
+                "{} gather entries exceed the endpoint's maximum of {}",
                 sgl.len(),
-                crate::MAX_SGE
+                self.limits.max_sge
             )));
         }
         let mut sges = Sges::with_capacity(sgl.len());
@@ -759,10 +770,10 @@ impl Conn {
         let mut emu_fill = None;
         let payload = |sges: Sges, total: usize| -> Result<Payload> {
             if inline {
-                if total > crate::MAX_INLINE as usize {
+                if total > self.limits.max_inline {
                     return Err(Error::invalid(format!(
-                        "inline payload of {total} bytes exceeds max inline {}",
-                        crate::MAX_INLINE
+                        "inline payload of {total} bytes exceeds the endpoint's max inline {}",
+                        self.limits.max_inline
                     )));
                 }
                 let mut v = Vec::with_capacity(total);
@@ -1142,7 +1153,7 @@ impl Conn {
             Err(e) => return Some(Err(e)),
         };
         if total > DIRECT_LIMIT.min(self.max_seg)
-            || (wr.flags.contains(SendFlags::INLINE) && total > crate::MAX_INLINE as usize)
+            || (wr.flags.contains(SendFlags::INLINE) && total > self.limits.max_inline)
         {
             return None;
         }
