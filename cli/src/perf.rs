@@ -35,6 +35,12 @@
 //! server echoes in the client's mode; while it only waits for the client's next control
 //! message (all through a one-sided phase) it blocks, or with `--server-polls` polls in
 //! the client's mode too, as perftest's server over rdma_cm does.
+//!
+//! Each side sizes its queues to the test it is given (`run::Queues`): a latency or
+//! ping-pong test's hold what its loop keeps outstanding, and its endpoints ask for one
+//! gather entry and inline payloads up to its largest message, as perftest's latency tools
+//! keep theirs small; a bandwidth test's hold its window. A server given another test than
+//! its client still serves it, keeping as many receives as its queues hold.
 
 mod run;
 mod tagged;
