@@ -1734,8 +1734,11 @@ impl EpCore {
             Err(e) => return Direct::Invalid(Box::new(e)),
         };
         // The ledger's path reports an application's inline payload above the endpoint's
-        // limit; one inlined by the workaround above is within the queue pair's.
-        if inline && total > u64::from(self.max_inline) {
+        // limit. One inlined by the workaround above is bounded by the queue pair's (the
+        // domain's on the devices where it applies), not by the application's.
+        if (wr.flags.contains(SendFlags::INLINE) && total > u64::from(self.max_inline))
+            || (inline && total > u64::from(self.dom.limits.max_inline))
+        {
             return Direct::Declined;
         }
         let byte_len = if moves { total } else { 8 };
