@@ -131,6 +131,18 @@ pub fn info() -> ProviderInfo {
     }
 }
 
+/// This provider's limits.
+const LIMITS: Limits = Limits {
+    max_msg_size: MAX_MSG_SIZE,
+    max_inline: MAX_INLINE,
+    max_sge: MAX_SGE,
+    max_send_queue: MAX_QUEUE_DEPTH,
+    max_recv_queue: MAX_QUEUE_DEPTH,
+    max_cq_entries: MAX_CQ_ENTRIES,
+    max_outstanding_reads: setup::ORD as u32,
+    max_private_data: MAX_PRIVATE_DATA,
+};
+
 fn capabilities() -> Capabilities {
     let emu = |f: &str, ops: OpSet, how: &str| Emulation {
         feature: f.into(),
@@ -139,16 +151,7 @@ fn capabilities() -> Capabilities {
     };
     Capabilities {
         ops: OpSet::all(),
-        limits: Limits {
-            max_msg_size: MAX_MSG_SIZE,
-            max_inline: MAX_INLINE,
-            max_sge: MAX_SGE,
-            max_send_queue: MAX_QUEUE_DEPTH,
-            max_recv_queue: MAX_QUEUE_DEPTH,
-            max_cq_entries: MAX_CQ_ENTRIES,
-            max_outstanding_reads: u32::from(setup::ORD),
-            max_private_data: MAX_PRIVATE_DATA,
-        },
+        limits: LIMITS,
         imm_size: 4,
         emulated: vec![
             emu("RMA", OpSet::WRITE | OpSet::READ | OpSet::WRITE_IMM, "placement, reads and responses by the target's progress engine (one thread per domain plus the application's polls) over TCP"),
@@ -232,7 +235,8 @@ impl TcpDomain {
         cfg: &EndpointConfig<'_, TcpCq>,
         neg: conn::Negotiated,
     ) -> Result<TcpEndpoint> {
-        let (max_sge, max_inline) = check_depths(cfg)?;
+        // Checked with the depths when the connection began (`check_depths`).
+        let (max_sge, max_inline) = cfg.request_limits(&LIMITS)?;
         sock.set_nodelay(true)?;
         dead_peer_detection(&sock, self.shared.opts.dead_peer_timeout)?;
         tracing::debug!(peer = ?sock.peer_addr().ok(), features = neg.features, crc = neg.crc, ord = neg.ord, "tcp endpoint connected");
@@ -280,7 +284,7 @@ fn dead_peer_detection(sock: &TcpStream, bound: Duration) -> Result<()> {
 /// Checks an endpoint configuration: its queue depths, and its gather/scatter and inline
 /// limits (returned: [`EndpointConfig::request_limits`] against this provider's).
 fn check_depths<C>(cfg: &EndpointConfig<'_, C>) -> Result<(u32, u32)> {
-    let limits = cfg.request_limits(&capabilities().limits)?;
+    let limits = cfg.request_limits(&LIMITS)?;
     for (name, d) in [
         ("send queue", cfg.sq_depth),
         ("receive queue", cfg.rq_depth),
