@@ -371,23 +371,34 @@ fn drain_unsignaled(ctx: &Ctx) -> CaseResultOf {
 /// An unsignaled request that fails among unsignaled ones: its error completes (an error
 /// always does), those behind it complete Flushed, and the successful ones before it
 /// report nothing.
+///
+/// On the tcp>iwarp pair siw sometimes resets the connection before its Terminate leaves
+/// (see [`Attempt::TerminateLost`]): the case then runs again, up to
+/// [`UNSIGNALED_ERROR_ATTEMPTS`] times in all, and fails if no run saw the Terminate. In
+/// one guest boot it took a second run in 1 of 30 runs of the case alone; inside a whole
+/// `scripts/test` two runs in a row once lost it.
 fn unsignaled_error(ctx: &Ctx) -> CaseResultOf {
-    match unsignaled_error_once(ctx) {
-        Err(Attempt::TerminateLost(why)) => {
-            // Once more: two lost Terminates in a row fail the case.
-            eprintln!(
-                "note: cq.unsignaled_error_among_unsignaled [{}]: {why}; running it again",
-                ctx.provider
-            );
-            unsignaled_error_once(ctx).map_err(|a| match a {
-                Attempt::Failed(e) => e,
-                Attempt::TerminateLost(e) => format!("{e}, twice in a row"),
-            })
+    let mut attempt = 1;
+    loop {
+        match unsignaled_error_once(ctx) {
+            Ok(()) => return Ok(()),
+            Err(Attempt::Failed(e)) => return Err(e),
+            Err(Attempt::TerminateLost(why)) if attempt < UNSIGNALED_ERROR_ATTEMPTS => {
+                eprintln!(
+                    "note: cq.unsignaled_error_among_unsignaled [{}]: {why}; running it again",
+                    ctx.provider
+                );
+                attempt += 1;
+            }
+            Err(Attempt::TerminateLost(why)) => {
+                return Err(format!("{why}, in all {attempt} runs"));
+            }
         }
-        Err(Attempt::Failed(e)) => Err(e),
-        Ok(()) => Ok(()),
     }
 }
+
+/// How many runs [`unsignaled_error`] takes at most when siw loses its Terminate.
+const UNSIGNALED_ERROR_ATTEMPTS: u32 = 4;
 
 /// Why one run of [`unsignaled_error`] failed.
 enum Attempt {
