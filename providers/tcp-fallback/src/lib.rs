@@ -281,10 +281,11 @@ fn dead_peer_detection(sock: &TcpStream, bound: Duration) -> Result<()> {
     Ok(())
 }
 
-/// Checks an endpoint configuration: its queue depths, and its gather/scatter and inline
-/// limits (returned: [`EndpointConfig::request_limits`] against this provider's).
-fn check_depths<C>(cfg: &EndpointConfig<'_, C>) -> Result<(u32, u32)> {
-    let limits = cfg.request_limits(&LIMITS)?;
+/// Checks an endpoint configuration before its connection begins: its queue depths, and
+/// its gather/scatter and inline limits ([`EndpointConfig::request_limits`] against this
+/// provider's; the endpoint takes them when it is made).
+fn check_depths<C>(cfg: &EndpointConfig<'_, C>) -> Result<()> {
+    cfg.request_limits(&LIMITS)?;
     for (name, d) in [
         ("send queue", cfg.sq_depth),
         ("receive queue", cfg.rq_depth),
@@ -295,7 +296,7 @@ fn check_depths<C>(cfg: &EndpointConfig<'_, C>) -> Result<(u32, u32)> {
             )));
         }
     }
-    Ok(limits)
+    Ok(())
 }
 
 impl spi::Domain for TcpDomain {
