@@ -145,6 +145,7 @@ impl CreditArea {
         Ok((buf, mr))
     }
 
+    #[inline]
     fn word(&self, off: usize) -> u64 {
         area_word(&self.buf, off)
     }
@@ -152,6 +153,7 @@ impl CreditArea {
     /// The word the peer writes after every receive it posts: its posted-receive count,
     /// packed with its completed-receive count where the connection counts deliveries
     /// ([`pdata::CreditWord`]; see [`EpCore::peer_counts`]).
+    #[inline]
     pub fn peer_word(&self) -> u64 {
         self.word(credit::POSTED)
     }
@@ -808,6 +810,7 @@ const SMALL_PAYLOAD: u32 = pdata::SIW_HDR_INLINE as u32;
 /// pair's `in_syscall` flag is set, and the flag outlives the poster's `ibv_post_send` for a
 /// moment: the copy fails when siw's transmit thread makes it then (`EFAULT`, the connection
 /// dropped; `pdata::area::READ_LEN`). An inline payload is copied from the request itself.
+#[inline]
 fn inlines_on_siw(total: u64, max_inline: u32) -> bool {
     total > 0 && total <= u64::from(SMALL_PAYLOAD.min(max_inline))
 }
@@ -1813,8 +1816,11 @@ impl EpCore {
     /// read that reports the request before it) is outstanding. A transmit-complete
     /// request then keeps its delivery read: the device completes it at transmit, and it
     /// must not complete before that earlier request.
+    #[inline(always)]
     fn completing_read_out(l: &Ledger) -> bool {
-        l.sq.iter().any(|r| r.is_read && r.user.is_some())
+        // An empty queue (a ping-pong's, whose previous request completed) asks no
+        // iterator: the one over a `VecDeque` is a call of its own (callgrind).
+        !l.sq.is_empty() && l.sq.iter().any(|r| r.is_read && r.user.is_some())
     }
 
     /// Whether the ledger's path would post `wr` as it is (on a connection that adds to
@@ -1836,7 +1842,7 @@ impl EpCore {
     /// the peer batches its credit updates, the peer told that our sends do not wait
     /// for its count (`tell_mode`, a write of its own). Inlined into the direct path,
     /// which asks on every transmit-complete send and write on iWARP.
-    #[inline]
+    #[inline(always)]
     fn adds_nothing_now(&self, l: &Ledger, is_send: bool, transmit: bool) -> bool {
         if l.amo_wait.is_some() || l.deferred.is_some() {
             return false;
@@ -3023,8 +3029,12 @@ impl EpCore {
 
     /// The peer's counts, as its last credit update left them in our area: receives it
     /// ever posted and, where the connection counts deliveries, ever completed (else 0).
+    #[inline(always)]
     fn peer_counts(&self, l: &Ledger) -> pdata::CreditWord {
-        let w = self.credit.as_ref().map_or(0, CreditArea::peer_word);
+        let w = match &self.credit {
+            Some(c) => c.peer_word(),
+            None => 0,
+        };
         if self.counted {
             pdata::CreditWord::unpack(w, l.sends_hw)
         } else {
