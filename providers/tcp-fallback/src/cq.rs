@@ -158,6 +158,15 @@ impl<P: Poller> Inner<P> {
 
     /// See [`CompletionQueue::wait`].
     pub(crate) fn wait(&self, timeout: Duration) -> Result<bool> {
+        // However it returns: the progress threads that napped while this wait drove the
+        // connections take them back within HANDOFF unless the application looks again.
+        struct EndNaps<'a, P: Poller>(&'a PollSet<P>);
+        impl<P: Poller> Drop for EndNaps<'_, P> {
+            fn drop(&mut self) {
+                self.0.end_naps_of_conns();
+            }
+        }
+        let _end = EndNaps(&self.set);
         let deadline = Instant::now() + timeout;
         loop {
             if !self.queue.lock().expect("cq poisoned").is_empty() {

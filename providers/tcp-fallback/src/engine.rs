@@ -22,7 +22,11 @@
 //! polling application, or hold the connection's progress while preempted (measured with
 //! `fabric perf pingpong`: see BENCHMARKS.md). A connection the progress thread skipped
 //! stays on its list until it is progressed, so when the application stops polling the
-//! thread takes over within `HANDOFF`: no readiness is lost.
+//! thread takes over within `HANDOFF`: no readiness is lost. While every connection of the
+//! domain is driven by an application blocked in `wait` (which its socket wakes directly),
+//! the thread naps instead of looking every `HANDOFF` (`PollSet::nap_begin`): the wait's
+//! return, any wake of the domain's set (a hello repeat, a stop) and a new connection end
+//! the nap (`PollSet::end_nap`), so the bound after the application's last look holds.
 //!
 //! Whoever sees a connection ready calls the connection's `progress`,
 //! which is serialised per connection with a try-lock and a "more to do" flag: a second
@@ -90,6 +94,11 @@ pub(crate) const HANDOFF: Duration = Duration::from_millis(1);
 /// in progress mode `auto` (`TcpOptions::ack_hold`; see the module docs): as long as the
 /// progress thread takes to send it once the application stops polling.
 pub(crate) const ACK_HOLD: Duration = HANDOFF;
+
+/// The longest nap of the progress thread while every connection of its domain is driven
+/// by an application blocked in `wait` ([`PollSet::nap_begin`]): a safety net, since the
+/// wait's return, any wake of the domain's set and a new connection end the nap.
+const NAP_MAX: Duration = Duration::from_millis(100);
 
 /// Acks held across polls at most, per connection (messages and writes they acknowledge):
 /// more go at the next poll, so that a sender with a window of messages in flight is
@@ -230,6 +239,10 @@ pub(crate) struct PollSet<P: Poller = Poll> {
     /// repeat due (`u64::MAX`: none; checked without the lock on every look).
     hellos: Mutex<Vec<HelloRepeat>>,
     hello_due: AtomicU64,
+    /// 1 while the domain's progress thread naps ([`PollSet::nap_begin`]), and the thread
+    /// to unpark then (set by the thread itself; a completion queue's set has none).
+    napping: AtomicUsize,
+    nap_thread: Mutex<Option<std::thread::Thread>>,
 }
 
 impl PollSet {
@@ -252,6 +265,9 @@ impl PollSet {
             Interest::READABLE | Interest::WRITABLE,
         )?;
         conns.insert(token, Arc::downgrade(conn));
+        drop(conns);
+        // A napping progress thread would not see the new connection's readiness.
+        self.end_nap();
         Ok(())
     }
 
@@ -286,6 +302,8 @@ impl<P: Poller> PollSet<P> {
             driven_at: AtomicU64::new(0),
             hellos: Mutex::new(Vec::new()),
             hello_due: AtomicU64::new(u64::MAX),
+            napping: AtomicUsize::new(0),
+            nap_thread: Mutex::new(None),
         }
     }
 
@@ -369,10 +387,76 @@ impl<P: Poller> PollSet<P> {
         // itself and then looks at the change could miss both: a store may otherwise pass
         // the load below (x86's store buffer does exactly that). Paired with the fence in
         // `run_unless`.
+        self.wake_sleepers();
+        self.end_nap();
+    }
+
+    /// [`wake`](Self::wake) but for a nap of the progress thread: for a change that only
+    /// a thread sleeping in `epoll_wait` (or an armed application) must see.
+    fn wake_sleepers(&self) {
+        // As in `wake`.
         std::sync::atomic::fence(Ordering::SeqCst);
         if self.sleepers.load(Ordering::SeqCst) > 0 || self.armed.swap(0, Ordering::SeqCst) != 0 {
             let _ = P::wake(&self.waker);
         }
+    }
+
+    /// Ends a nap of the domain's progress thread ([`PollSet::nap_begin`]), if it naps:
+    /// after a change it must look at (a wake, a new connection, an application's wait
+    /// that returned). Costs one load when it does not nap.
+    pub fn end_nap(&self) {
+        // Paired with the store in `nap_begin`: either this sees the nap, or the thread,
+        // deciding to nap after it, sees the change that preceded this call.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.napping.load(Ordering::SeqCst) != 0 {
+            if let Some(t) = &*self.nap_thread.lock().expect("poll set poisoned") {
+                t.unpark();
+            }
+        }
+    }
+
+    /// Ends the naps of the progress threads of every connection this (completion
+    /// queue's) set watches: the application's `wait` on it returns, so they must take
+    /// those connections back within [`HANDOFF`] if it does not look again.
+    pub fn end_naps_of_conns(&self) {
+        let conns = self.conns.lock().expect("poll set poisoned");
+        for w in conns.values() {
+            if let Some(c) = w.upgrade() {
+                c.end_domain_nap();
+            }
+        }
+    }
+
+    /// Whether an application thread sleeps in this (completion queue's) set's `wait`.
+    fn has_sleeper(&self) -> bool {
+        self.sleepers.load(Ordering::SeqCst) > 0
+    }
+
+    /// The progress thread may nap (until [`PollSet::end_nap`], at most [`NAP_MAX`])
+    /// instead of looking every [`HANDOFF`]: every connection of the domain is in
+    /// `skipped` and driven by an application thread blocked in `wait` on one of its
+    /// completion queues, which the socket wakes directly; no hello repeat is pending.
+    /// Then a look every millisecond only costs the machine a wake-up (on a 2-core virtual
+    /// machine whose target waited through a 1 MiB write stream, the target's progress
+    /// thread alone cost the stream 20-35 %: BENCHMARKS.md, forty-second session). Returns
+    /// with the nap announced (`napping`), or `false` with nothing changed. Not under loom
+    /// (the models keep the millisecond looks).
+    fn nap_begin(&self, skipped: &TokenMap<Weak<Conn>>) -> bool {
+        if cfg!(loom) || skipped.is_empty() {
+            return false;
+        }
+        self.napping.store(1, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let all = self.hello_due.load(Ordering::SeqCst) == u64::MAX
+            && self.conns.lock().expect("poll set poisoned").len() == skipped.len()
+            && skipped.values().all(|w| {
+                w.upgrade()
+                    .is_some_and(|c| c.send_cq.set().has_sleeper() || c.recv_cq.set().has_sleeper())
+            });
+        if !all {
+            self.napping.store(0, Ordering::SeqCst);
+        }
+        all
     }
 
     /// Arms this set's descriptor (see `TcpCq`'s `arm`). First looks for readiness once
@@ -490,7 +574,11 @@ impl<P: Poller> PollSet<P> {
             .or_insert_with(|| Arc::downgrade(conn));
         self.owed_due.fetch_min(due, Ordering::SeqCst);
         self.owes.store(1, Ordering::SeqCst);
-        self.wake();
+        // Not a nap's end: the progress thread naps only while every connection is driven
+        // by an application blocked in `wait`, whose own loop sends held output at its
+        // next turn, and whose return ends the nap (a wake per deferred ack here cost a
+        // context switch per message of a write stream into a waiting target).
+        self.wake_sleepers();
     }
 
     /// Hands `f` each connection that holds output back, taking them out of the table
@@ -607,6 +695,7 @@ impl PollSet {
     /// The domain progress thread's loop (see the module docs for the hand-off): until
     /// `stop`, progresses every ready connection the application does not drive itself.
     fn progress_thread(&self, stop: &AtomicBool) {
+        *self.nap_thread.lock().expect("poll set poisoned") = Some(std::thread::current());
         // Connections found ready while their application drove them; checked again every
         // HANDOFF until the application stops (then progressed here) or they are gone.
         let mut skipped: TokenMap<Weak<Conn>> = TokenMap::default();
@@ -638,7 +727,14 @@ impl PollSet {
                 self.ready(poller, events, self.until_hello(), &mut ready);
             } else {
                 // Readiness arriving now queues in the epoll ready list without waking us.
-                std::thread::sleep(HANDOFF);
+                if self.nap_begin(&skipped) {
+                    if !stop.load(Ordering::Acquire) {
+                        std::thread::park_timeout(NAP_MAX);
+                    }
+                    self.napping.store(0, Ordering::SeqCst);
+                } else {
+                    std::thread::sleep(HANDOFF);
+                }
                 let mut poll = self.poll.lock().expect("poll set poisoned");
                 let (poller, events, _) = &mut *poll;
                 self.ready(poller, events, Some(Duration::ZERO), &mut ready);

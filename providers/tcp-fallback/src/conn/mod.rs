@@ -537,6 +537,11 @@ impl Conn {
         self.send_cq.set().app_driven() || self.recv_cq.set().app_driven()
     }
 
+    /// Ends a nap of the domain's progress thread (see `PollSet::end_nap`).
+    pub fn end_domain_nap(&self) {
+        self.engine.set.end_nap();
+    }
+
     /// Makes progress: writes what the socket takes, then reads and handles what has
     /// arrived, until the socket would block (or the receive side waits for room).
     /// Serialised per connection without blocking: a caller that finds another thread at
