@@ -439,8 +439,9 @@ impl<P: Poller> PollSet<P> {
     /// Then a look every millisecond only costs the machine a wake-up (on a 2-core virtual
     /// machine whose target waited through a 1 MiB write stream, the target's progress
     /// thread alone cost the stream 20-35 %: BENCHMARKS.md, forty-second session). Returns
-    /// with the nap announced (`napping`), or `false` with nothing changed. Not under loom
-    /// (the models keep the millisecond looks).
+    /// `true` with the nap announced (`napping` set before the checks, so that an
+    /// [`end_nap`](Self::end_nap) racing with them unparks the thread), or `false` with
+    /// nothing changed. Not under loom (the models keep the millisecond looks).
     fn nap_begin(&self, skipped: &TokenMap<Weak<Conn>>) -> bool {
         if cfg!(loom) || skipped.is_empty() {
             return false;
