@@ -604,3 +604,79 @@ fn small_sends_that_fill_the_socket_arrive_whole_and_in_order() {
         );
     }
 }
+
+/// A target domain whose only connection is driven by an application blocked in `wait`
+/// lets its progress thread nap (no look every millisecond); the wait's return must end
+/// the nap, so that a write arriving once the application stopped is placed within the
+/// hand-off bound (contract section 4), not at the nap's 100 ms limit. The target's wait
+/// lasts 40 ms while writes land (the thread naps meanwhile), then the application
+/// stops; the fastest of 10 rounds must complete well under the nap's limit (with the end
+/// of the nap broken, every round takes tens of milliseconds more).
+#[test]
+fn a_wait_that_returns_ends_the_progress_threads_nap() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let target = TcpDomain::open(TcpOptions::default()).unwrap();
+    let initiator = TcpDomain::open(TcpOptions::default()).unwrap();
+    let cq_t = target.create_cq(64).unwrap();
+    let cq_i = initiator.create_cq(64).unwrap();
+    let listener = target.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = listener.local_addr();
+    let (a, _b) = std::thread::scope(|s| {
+        let t = s.spawn(|| {
+            listener
+                .accept(&EndpointConfig::new(&cq_t), Duration::from_secs(10))
+                .unwrap()
+        });
+        let a = initiator
+            .connect(addr, &EndpointConfig::new(&cq_i))
+            .unwrap();
+        (a, t.join().unwrap())
+    });
+    let src = initiator
+        .register(Arc::new(Buffer::from_slice(b"napping!")), Access::empty())
+        .unwrap();
+    let dst = target
+        .register(
+            Arc::new(Buffer::new(8 * 16)),
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        )
+        .unwrap();
+    let mut out = Vec::new();
+    let mut fastest = Duration::MAX;
+    let complete = |ctx: u64, out: &mut Vec<fabric_api::Completion>| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while cq_i.poll(out, 1).unwrap() == 0 {
+            assert!(Instant::now() < deadline, "write {ctx} never completed");
+            std::hint::spin_loop();
+        }
+        let c = out.pop().unwrap();
+        assert_eq!((c.context, c.status), (ctx, Status::Success));
+    };
+    for round in 0..10u64 {
+        // The target's application waits (nothing completes there: writes only) while
+        // writes land, which its wait places: the progress thread finds the connection
+        // driven by a waiting application, and naps.
+        std::thread::scope(|s| {
+            s.spawn(|| assert!(!cq_t.wait(Duration::from_millis(40)).unwrap()));
+            for i in 0..5 {
+                std::thread::sleep(Duration::from_millis(4));
+                let ctx = 1000 + round * 10 + i;
+                a.post_send(&SendWr::write(ctx, &[src.all()], dst.desc().at(8 * 15)))
+                    .unwrap();
+                complete(ctx, &mut out);
+            }
+        });
+        // It has stopped: the progress thread must place this write.
+        let start = Instant::now();
+        let at = 8 * round;
+        a.post_send(&SendWr::write(round, &[src.all()], dst.desc().at(at)))
+            .unwrap();
+        complete(round, &mut out);
+        fastest = fastest.min(start.elapsed());
+        assert_eq!(dst.buffer().to_vec(at as usize, 8), b"napping!");
+    }
+    assert!(
+        fastest < Duration::from_millis(40),
+        "the fastest write after a returned wait took {fastest:?}: the nap did not end"
+    );
+}
