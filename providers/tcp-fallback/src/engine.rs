@@ -388,7 +388,8 @@ impl<P: Poller> PollSet<P> {
         // the load below (x86's store buffer does exactly that). Paired with the fence in
         // `run_unless`.
         self.wake_sleepers();
-        self.end_nap();
+        // `wake_sleepers` fenced already: every completion pushed comes here.
+        self.end_nap_fenced();
     }
 
     /// [`wake`](Self::wake) but for a nap of the progress thread: for a change that only
@@ -408,6 +409,11 @@ impl<P: Poller> PollSet<P> {
         // Paired with the store in `nap_begin`: either this sees the nap, or the thread,
         // deciding to nap after it, sees the change that preceded this call.
         std::sync::atomic::fence(Ordering::SeqCst);
+        self.end_nap_fenced();
+    }
+
+    /// [`end_nap`](Self::end_nap) after the caller's own `SeqCst` fence.
+    fn end_nap_fenced(&self) {
         if self.napping.load(Ordering::SeqCst) != 0 {
             if let Some(t) = &*self.nap_thread.lock().expect("poll set poisoned") {
                 t.unpark();
