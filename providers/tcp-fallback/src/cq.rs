@@ -22,7 +22,7 @@ use fabric_api::{Completion, Error, ErrorKind, Result};
 pub(crate) struct Inner<P: Poller = mio::Poll> {
     queue: Mutex<VecDeque<Completion>>,
     /// The sockets of the endpoints reporting here, and a waker.
-    set: Arc<PollSet<P>>,
+    pub(crate) set: Arc<PollSet<P>>,
     capacity: usize,
     /// Slots promised to posted operations plus completions not yet polled.
     reserved: AtomicUsize,

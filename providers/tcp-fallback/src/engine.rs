@@ -185,6 +185,15 @@ pub(crate) trait Poller: std::fmt::Debug {
     fn wait(&mut self, events: &mut Events, timeout: Option<Duration>) -> io::Result<()>;
     /// Wakes the thread in `wait`, or the next one.
     fn wake(waker: &Self::Waker) -> io::Result<()>;
+    /// A handle on a thread that naps ([`park`](Self::park)).
+    type Thread: std::fmt::Debug;
+    /// The calling thread's handle.
+    fn current() -> Self::Thread;
+    /// Naps the calling thread up to `limit`, or until [`unpark`](Self::unpark) of its
+    /// handle (an unpark that came first ends the next nap at once).
+    fn park(limit: Duration);
+    /// Ends the nap of `thread`, or its next one.
+    fn unpark(thread: &Self::Thread);
 }
 
 impl Poller for Poll {
@@ -195,6 +204,16 @@ impl Poller for Poll {
     }
     fn wake(waker: &Waker) -> io::Result<()> {
         waker.wake()
+    }
+    type Thread = std::thread::Thread;
+    fn current() -> std::thread::Thread {
+        std::thread::current()
+    }
+    fn park(limit: Duration) {
+        std::thread::park_timeout(limit);
+    }
+    fn unpark(thread: &std::thread::Thread) {
+        thread.unpark();
     }
 }
 
@@ -242,7 +261,7 @@ pub(crate) struct PollSet<P: Poller = Poll> {
     /// 1 while the domain's progress thread naps ([`PollSet::nap_begin`]), and the thread
     /// to unpark then (set by the thread itself; a completion queue's set has none).
     napping: AtomicUsize,
-    nap_thread: Mutex<Option<std::thread::Thread>>,
+    nap_thread: Mutex<Option<P::Thread>>,
 }
 
 impl PollSet {
@@ -396,7 +415,7 @@ impl<P: Poller> PollSet<P> {
     /// a thread sleeping in `epoll_wait` (or an armed application) must see.
     fn wake_sleepers(&self) {
         // As in `wake`.
-        std::sync::atomic::fence(Ordering::SeqCst);
+        sync::fence();
         if self.sleepers.load(Ordering::SeqCst) > 0 || self.armed.swap(0, Ordering::SeqCst) != 0 {
             let _ = P::wake(&self.waker);
         }
@@ -408,7 +427,7 @@ impl<P: Poller> PollSet<P> {
     pub fn end_nap(&self) {
         // Paired with the store in `nap_begin`: either this sees the nap, or the thread,
         // deciding to nap after it, sees the change that preceded this call.
-        std::sync::atomic::fence(Ordering::SeqCst);
+        sync::fence();
         self.end_nap_fenced();
     }
 
@@ -416,7 +435,7 @@ impl<P: Poller> PollSet<P> {
     fn end_nap_fenced(&self) {
         if self.napping.load(Ordering::SeqCst) != 0 {
             if let Some(t) = &*self.nap_thread.lock().expect("poll set poisoned") {
-                t.unpark();
+                P::unpark(t);
             }
         }
     }
@@ -438,28 +457,54 @@ impl<P: Poller> PollSet<P> {
         self.sleepers.load(Ordering::SeqCst) > 0
     }
 
-    /// The progress thread may nap (until [`PollSet::end_nap`], at most [`NAP_MAX`])
-    /// instead of looking every [`HANDOFF`]: every connection of the domain is in
-    /// `skipped` and driven by an application thread blocked in `wait` on one of its
-    /// completion queues, which the socket wakes directly; no hello repeat is pending.
-    /// Then a look every millisecond only costs the machine a wake-up (on a 2-core virtual
-    /// machine whose target waited through a 1 MiB write stream, the target's progress
-    /// thread alone cost the stream 20-35 %: BENCHMARKS.md, forty-second session). Returns
-    /// `true` with the nap announced (`napping` set before the checks, so that an
-    /// [`end_nap`](Self::end_nap) racing with them unparks the thread), or `false` with
-    /// nothing changed. Not under loom (the models keep the millisecond looks).
-    fn nap_begin(&self, skipped: &TokenMap<Weak<Conn>>) -> bool {
-        if cfg!(loom) || skipped.is_empty() {
+    /// Names the calling thread as the one whose naps [`end_nap`](Self::end_nap) ends:
+    /// the domain's progress thread, before its first [`nap`](Self::nap).
+    fn nap_here(&self) {
+        *self.nap_thread.lock().expect("poll set poisoned") = Some(P::current());
+    }
+
+    /// The progress thread, which has `skipped` connections in view, naps (until
+    /// [`end_nap`](Self::end_nap), at most [`NAP_MAX`]) instead of looking again after
+    /// [`HANDOFF`], if it may ([`nap_begin`](Self::nap_begin); `all_driven`: every one of
+    /// them is driven by an application thread blocked in `wait`) and is not `stopped`.
+    /// Returns `false`, having done nothing, when it may not; `true` once the nap is over
+    /// (none if `stopped`). The loom models
+    /// `loom_nap_ends_when_the_wait_returns` and `loom_nap_ends_at_the_stop` run it.
+    fn nap(
+        &self,
+        skipped: usize,
+        all_driven: impl FnOnce() -> bool,
+        stopped: impl FnOnce() -> bool,
+    ) -> bool {
+        if !self.nap_begin(skipped, all_driven) {
+            return false;
+        }
+        // A stop raised after this look ends the nap (its wake sees `napping`).
+        if !stopped() {
+            P::park(NAP_MAX);
+        }
+        self.napping.store(0, Ordering::SeqCst);
+        true
+    }
+
+    /// Whether the progress thread may nap: every connection of the domain (`skipped`
+    /// of them, and `all_driven`) is in its skipped list and driven by an application
+    /// thread blocked in `wait` on one of its completion queues, which the socket wakes
+    /// directly, and no hello repeat is pending. Then a look every millisecond only costs
+    /// the machine a wake-up (on a 2-core virtual machine whose target waited through a
+    /// 1 MiB write stream, the target's progress thread alone cost the stream 20-35 %:
+    /// BENCHMARKS.md, forty-second session). Returns `true` with the nap announced
+    /// (`napping` set before the checks, so that an [`end_nap`](Self::end_nap) racing
+    /// with them unparks the thread), or `false` with nothing changed.
+    fn nap_begin(&self, skipped: usize, all_driven: impl FnOnce() -> bool) -> bool {
+        if skipped == 0 {
             return false;
         }
         self.napping.store(1, Ordering::SeqCst);
-        std::sync::atomic::fence(Ordering::SeqCst);
+        sync::fence();
         let all = self.hello_due.load(Ordering::SeqCst) == u64::MAX
-            && self.conns.lock().expect("poll set poisoned").len() == skipped.len()
-            && skipped.values().all(|w| {
-                w.upgrade()
-                    .is_some_and(|c| c.send_cq.set().has_sleeper() || c.recv_cq.set().has_sleeper())
-            });
+            && self.conns.lock().expect("poll set poisoned").len() == skipped
+            && all_driven();
         if !all {
             self.napping.store(0, Ordering::SeqCst);
         }
@@ -495,7 +540,7 @@ impl<P: Poller> PollSet<P> {
         // plain store, loom lets a later `wake` read an older disarming instead, which
         // the memory model excludes).
         self.armed.swap(1, Ordering::SeqCst);
-        std::sync::atomic::fence(Ordering::SeqCst);
+        sync::fence();
         full || done()
     }
 
@@ -548,7 +593,7 @@ impl<P: Poller> PollSet<P> {
         self.sleepers.fetch_add(1, Ordering::SeqCst);
         // Paired with the fence in `wake`: either the waker sees this sleeper, or this
         // thread sees the waker's change.
-        std::sync::atomic::fence(Ordering::SeqCst);
+        sync::fence();
         if done() {
             self.sleepers.fetch_sub(1, Ordering::SeqCst);
             return;
@@ -702,7 +747,7 @@ impl PollSet {
     /// The domain progress thread's loop (see the module docs for the hand-off): until
     /// `stop`, progresses every ready connection the application does not drive itself.
     fn progress_thread(&self, stop: &AtomicBool) {
-        *self.nap_thread.lock().expect("poll set poisoned") = Some(std::thread::current());
+        self.nap_here();
         // Connections found ready while their application drove them; checked again every
         // HANDOFF until the application stops (then progressed here) or they are gone.
         let mut skipped: TokenMap<Weak<Conn>> = TokenMap::default();
@@ -721,7 +766,7 @@ impl PollSet {
                 self.sleepers.fetch_add(1, Ordering::SeqCst);
                 // Paired with the fence in `wake`, as in `run_unless` (and with
                 // `note_held`, which raises `owes` before it wakes).
-                std::sync::atomic::fence(Ordering::SeqCst);
+                sync::fence();
                 if stop.load(Ordering::Acquire) {
                     self.sleepers.fetch_sub(1, Ordering::SeqCst);
                     return;
@@ -734,12 +779,14 @@ impl PollSet {
                 self.ready(poller, events, self.until_hello(), &mut ready);
             } else {
                 // Readiness arriving now queues in the epoll ready list without waking us.
-                if self.nap_begin(&skipped) {
-                    if !stop.load(Ordering::Acquire) {
-                        std::thread::park_timeout(NAP_MAX);
-                    }
-                    self.napping.store(0, Ordering::SeqCst);
-                } else {
+                let all_driven = || {
+                    skipped.values().all(|w| {
+                        w.upgrade().is_some_and(|c| {
+                            c.send_cq.set().has_sleeper() || c.recv_cq.set().has_sleeper()
+                        })
+                    })
+                };
+                if !self.nap(skipped.len(), all_driven, || stop.load(Ordering::Acquire)) {
                     std::thread::sleep(HANDOFF);
                 }
                 let mut poll = self.poll.lock().expect("poll set poisoned");

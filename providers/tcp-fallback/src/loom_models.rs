@@ -8,7 +8,11 @@
 //!   overrun;
 //! * connection progress ([`serialised`], what `Conn::progress` runs): every arrival of
 //!   work is handled by a run of the work function that starts after it arrived, and the
-//!   work function never runs concurrently with itself.
+//!   work function never runs concurrently with itself;
+//! * the domain progress thread's nap ([`PollSet::nap`], [`PollSet::end_nap`], with
+//!   `park` / `unpark` of the model's thread): the thread naps only while an application
+//!   sleeps in a wait that drives its connection, and the wait's return or the domain's
+//!   stop always ends the nap.
 //!
 //! Run with:
 //!
@@ -16,12 +20,15 @@
 //! CARGO_TARGET_DIR=target/loom RUSTFLAGS="--cfg loom" cargo test -p fabric-tcp --release --lib loom
 //! ```
 //!
-//! A lost wake-up leaves the waiter asleep for good (the model event has no timeout), so
-//! loom reports it as a deadlock; lost progress fails the final check of the progress
-//! models. Both were seen to fail that way with the protocol broken on purpose:
-//! `run_unless` sleeping without its re-check of `done`, or checking `done` before it
-//! counts itself a sleeper (deadlock at once); `serialised` without its second look at
-//! the flag after letting go (an arrival never handled).
+//! A lost wake-up leaves the waiter asleep for good (the model event and the model nap
+//! have no timeout), so loom reports it as a deadlock; lost progress fails the final check
+//! of the progress models. All were seen to fail that way with the protocol broken on
+//! purpose: `run_unless` sleeping without its re-check of `done`, or checking `done`
+//! before it counts itself a sleeper (deadlock at once); `serialised` without its second
+//! look at the flag after letting go (an arrival never handled); `nap_begin` announcing
+//! the nap after its checks instead of before, or without its fence, `end_nap` without its
+//! fence (the wait's return missed), `wake` without `end_nap_fenced` (the stop missed).
+//! The fences of the real code are loom's in these builds (`sync::fence`).
 //!
 //! loom treats sequentially consistent accesses as acquire / release only, so the flag is
 //! raised with a swap (the same instruction as a sequentially consistent store on x86):
@@ -76,6 +83,19 @@ impl Poller for ModelPoller {
         *waker.set.lock().unwrap() = true;
         waker.cv.notify_one();
         Ok(())
+    }
+
+    type Thread = thread::Thread;
+    fn current() -> thread::Thread {
+        thread::current()
+    }
+    /// Lasts until an unpark (loom has no clock): a nap that only its limit would end is
+    /// a lost end, and shows as a deadlock.
+    fn park(_limit: Duration) {
+        thread::park();
+    }
+    fn unpark(thread: &thread::Thread) {
+        thread.unpark();
     }
 }
 
@@ -344,4 +364,74 @@ fn loom_progress_three_threads() {
         Some(3),
         progress_model(3, 1),
     );
+}
+
+/// A domain's poll set watching one connection (a stand-in: the nap's protocol only counts
+/// connections), as its progress thread names itself, and a completion queue of that
+/// connection.
+fn domain_and_cq() -> (Arc<PollSet<ModelPoller>>, Arc<Cq>) {
+    let event = Arc::new(Event::default());
+    let domain = PollSet::with(ModelPoller(event.clone()), (), event);
+    domain
+        .conns
+        .lock()
+        .unwrap()
+        .insert(mio::Token(1), std::sync::Weak::new());
+    (Arc::new(domain), cq(2))
+}
+
+#[test]
+fn loom_nap_ends_when_the_wait_returns() {
+    // The progress thread skipped the connection, which an application drives from a wait
+    // on its completion queue; the wait returns when the engine pushes a completion. The
+    // thread may nap only while that wait sleeps, and the wait's return must end the nap:
+    // else the thread keeps napping (up to NAP_MAX in the provider; for good here, a
+    // deadlock) while nobody drives the connection. `TcpCq::wait`'s guard reaches the
+    // domain's set through each connection of the queue; here, directly.
+    explore("nap: against the return of the driving wait", None, || {
+        let (domain, cq) = domain_and_cq();
+        let app = {
+            let (domain, cq) = (domain.clone(), cq.clone());
+            thread::spawn(move || {
+                assert!(cq.wait(FOREVER).unwrap(), "the wait timed out");
+                domain.end_nap();
+            })
+        };
+        let pusher = {
+            let cq = cq.clone();
+            thread::spawn(move || {
+                cq.reserve().unwrap();
+                cq.push(c(1));
+            })
+        };
+        domain.nap_here();
+        domain.nap(1, || cq.set.has_sleeper(), || false);
+        app.join().unwrap();
+        pusher.join().unwrap();
+    });
+}
+
+#[test]
+fn loom_nap_ends_at_the_stop() {
+    // The application sleeps in a wait on the connection's queue throughout, so the
+    // progress thread naps; the domain stops (`Engine`'s drop: the flag, then `wake`).
+    // The thread must see the stop: a nap that missed the wake never ends (a deadlock).
+    explore("nap: against the domain's stop", None, || {
+        let (domain, cq) = domain_and_cq();
+        cq.set.sleepers.fetch_add(1, Ordering::SeqCst);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopper = {
+            let (domain, stop) = (domain.clone(), stop.clone());
+            thread::spawn(move || {
+                stop.store(true, Ordering::SeqCst);
+                domain.wake();
+            })
+        };
+        domain.nap_here();
+        while !stop.load(Ordering::Acquire) {
+            let napped = domain.nap(1, || cq.set.has_sleeper(), || stop.load(Ordering::Acquire));
+            assert!(napped, "the nap was refused");
+        }
+        stopper.join().unwrap();
+    });
 }

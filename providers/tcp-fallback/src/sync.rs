@@ -1,9 +1,10 @@
 //! The locks and atomics of the provider's two lock-free-ish protocols, and the second of
 //! them as one function:
 //!
-//! * a poll set's sleep / wake protocol ([`crate::engine::PollSet`]) and the completion
-//!   queue built on it ([`crate::cq`]): under `--cfg loom` their mutexes and atomics are
-//!   loom's, so the models in `loom_models` explore every interleaving of the real code;
+//! * a poll set's sleep / wake protocol ([`crate::engine::PollSet`], the progress
+//!   thread's nap included) and the completion queue built on it ([`crate::cq`]): under
+//!   `--cfg loom` their mutexes, atomics and fences are loom's, so the models in
+//!   `loom_models` explore every interleaving of the real code;
 //! * [`serialised`], the try-lock and "more to do" flag that serialises a connection's
 //!   progress without ever making a caller wait.
 //!
@@ -115,8 +116,8 @@ pub(crate) fn serialised<T>(
     }
 }
 
-/// A sequentially consistent fence (loom's under `cfg(loom)`).
-fn fence() {
+/// A sequentially consistent fence (loom's under `cfg(loom)`, so that the models see it).
+pub(crate) fn fence() {
     #[cfg(not(loom))]
     std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
     #[cfg(loom)]
