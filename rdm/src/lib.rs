@@ -132,7 +132,11 @@
 //! status (`RetryExceeded` for a silent peer, `Flushed` for one that went away), and the
 //! receives naming that peer; every other peer is untouched. The bound is the provider's
 //! dead-peer detection (tcp: `dead_peer_timeout_ms`, 10 s by default; a killed process is
-//! seen at once). The next operation to the peer connects again.
+//! seen at once). The next operation to the peer connects again. A connection we accepted
+//! and over which nothing of the peer's has come yet is checked before each message: its
+//! initiator may have closed it on reading our name (it was looking for an endpoint that
+//! held our address before us), and a message then goes over another connection, not
+//! that one.
 //!
 //! # Limits
 //! Credits keep every message behind a posted buffer, except right after a connection is
