@@ -1382,9 +1382,8 @@ impl Inner {
         (self.cfg.sq_depth + self.cfg.recv_depth) as usize
     }
 
-    /// Installs a connection to peer `idx` and posts its receive buffers.
-    /// Installs connection `ep` to peer `idx`, which granted `credits`; `settled`: see
-    /// [`Conn::settled`].
+    /// Installs connection `ep` to peer `idx`, which granted `credits`, and posts its
+    /// receive buffers; `settled`: see [`Conn::settled`].
     fn install(
         &mut self,
         ep: AnyEndpoint,
@@ -1484,7 +1483,8 @@ impl Inner {
             return Some(id);
         }
         self.conn_failed(id, ErrorKind::Flushed);
-        // Another connection to the peer (one it made to us meanwhile) carries them now.
+        // Another connection to the peer (one it made to us meanwhile), if any, carries our
+        // messages now; else the caller makes one.
         let other = self
             .conns
             .iter()
