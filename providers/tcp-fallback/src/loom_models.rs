@@ -366,9 +366,8 @@ fn loom_progress_three_threads() {
     );
 }
 
-/// A domain's poll set watching one connection (a stand-in: the nap's protocol only counts
-/// connections), as its progress thread names itself, and a completion queue of that
-/// connection.
+/// A domain's poll set watching one connection (a stand-in entry: the nap's protocol only
+/// counts connections), and a completion queue of that connection.
 fn domain_and_cq() -> (Arc<PollSet<ModelPoller>>, Arc<Cq>) {
     let event = Arc::new(Event::default());
     let domain = PollSet::with(ModelPoller(event.clone()), (), event);
