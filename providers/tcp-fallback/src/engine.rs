@@ -444,10 +444,18 @@ impl<P: Poller> PollSet<P> {
     /// queue's) set watches: the application's `wait` on it returns, so they must take
     /// those connections back within [`HANDOFF`] if it does not look again.
     pub fn end_naps_of_conns(&self) {
+        // One fence for them all (paired as in `end_nap`), and one look per domain: a
+        // queue's connections are mostly of one domain, and this runs at every wait's end.
+        sync::fence();
         let conns = self.conns.lock().expect("poll set poisoned");
+        let mut last: *const PollSet = std::ptr::null();
         for w in conns.values() {
             if let Some(c) = w.upgrade() {
-                c.end_domain_nap();
+                let set = c.domain_set();
+                if Arc::as_ptr(set) != last {
+                    last = Arc::as_ptr(set);
+                    set.end_nap_fenced();
+                }
             }
         }
     }

@@ -21,7 +21,18 @@ fn connect(
     cq_b: &TcpCq,
     n: usize,
 ) -> Vec<(TcpEndpoint, TcpEndpoint)> {
-    let listener = domain.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    connect_between(domain, domain, cq_a, cq_b, n)
+}
+
+/// As [`connect`], from endpoints of `from` (on `cq_a`) to endpoints of `to` (on `cq_b`).
+fn connect_between(
+    from: &TcpDomain,
+    to: &TcpDomain,
+    cq_a: &TcpCq,
+    cq_b: &TcpCq,
+    n: usize,
+) -> Vec<(TcpEndpoint, TcpEndpoint)> {
+    let listener = to.listen("127.0.0.1:0".parse().unwrap()).unwrap();
     let addr = listener.local_addr();
     (0..n)
         .map(|_| {
@@ -31,11 +42,23 @@ fn connect(
                         .accept(&EndpointConfig::new(cq_b), Duration::from_secs(10))
                         .unwrap()
                 });
-                let a = domain.connect(addr, &EndpointConfig::new(cq_a)).unwrap();
+                let a = from.connect(addr, &EndpointConfig::new(cq_a)).unwrap();
                 (a, t.join().unwrap())
             })
         })
         .collect()
+}
+
+/// Polls `cq` until one completion comes (within 10 s), which must be the successful
+/// write `ctx`.
+fn write_done(cq: &TcpCq, out: &mut Vec<fabric_api::Completion>, ctx: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while cq.poll(out, 1).unwrap() == 0 {
+        assert!(Instant::now() < deadline, "write {ctx} never completed");
+        std::hint::spin_loop();
+    }
+    let c = out.pop().unwrap();
+    assert_eq!((c.context, c.status), (ctx, Status::Success));
 }
 
 /// One connected pair in a domain of its own, with a registered 8-byte source holding
@@ -212,15 +235,7 @@ fn progress_thread_takes_over_when_the_application_stops_polling() {
         )
         .unwrap();
     let mut out = Vec::new();
-    let mut complete = |ctx: u64| {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while cq_a.poll(&mut out, 1).unwrap() == 0 {
-            assert!(Instant::now() < deadline, "write {ctx} never completed");
-            std::hint::spin_loop();
-        }
-        let c = out.pop().unwrap();
-        assert_eq!((c.context, c.status), (ctx, Status::Success));
-    };
+    let mut complete = |ctx: u64| write_done(&cq_a, &mut out, ctx);
     for round in 0..20u64 {
         // The target's application polls (it drives its connection) for a while ...
         let stop = std::sync::atomic::AtomicBool::new(false);
@@ -619,19 +634,9 @@ fn a_wait_that_returns_ends_the_progress_threads_nap() {
     let initiator = TcpDomain::open(TcpOptions::default()).unwrap();
     let cq_t = target.create_cq(64).unwrap();
     let cq_i = initiator.create_cq(64).unwrap();
-    let listener = target.listen("127.0.0.1:0".parse().unwrap()).unwrap();
-    let addr = listener.local_addr();
-    let (a, _b) = std::thread::scope(|s| {
-        let t = s.spawn(|| {
-            listener
-                .accept(&EndpointConfig::new(&cq_t), Duration::from_secs(10))
-                .unwrap()
-        });
-        let a = initiator
-            .connect(addr, &EndpointConfig::new(&cq_i))
-            .unwrap();
-        (a, t.join().unwrap())
-    });
+    let (a, _b) = connect_between(&initiator, &target, &cq_i, &cq_t, 1)
+        .pop()
+        .unwrap();
     let src = initiator
         .register(Arc::new(Buffer::from_slice(b"napping!")), Access::empty())
         .unwrap();
@@ -643,15 +648,7 @@ fn a_wait_that_returns_ends_the_progress_threads_nap() {
         .unwrap();
     let mut out = Vec::new();
     let mut fastest = Duration::MAX;
-    let complete = |ctx: u64, out: &mut Vec<fabric_api::Completion>| {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while cq_i.poll(out, 1).unwrap() == 0 {
-            assert!(Instant::now() < deadline, "write {ctx} never completed");
-            std::hint::spin_loop();
-        }
-        let c = out.pop().unwrap();
-        assert_eq!((c.context, c.status), (ctx, Status::Success));
-    };
+    let complete = |ctx: u64, out: &mut Vec<fabric_api::Completion>| write_done(&cq_i, out, ctx);
     for round in 0..10u64 {
         // The target's application waits (nothing completes there: writes only) while
         // writes land, which its wait places: the progress thread finds the connection

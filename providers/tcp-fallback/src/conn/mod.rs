@@ -537,9 +537,9 @@ impl Conn {
         self.send_cq.set().app_driven() || self.recv_cq.set().app_driven()
     }
 
-    /// Ends a nap of the domain's progress thread (see `PollSet::end_nap`).
-    pub fn end_domain_nap(&self) {
-        self.engine.set.end_nap();
+    /// The poll set of the connection's domain (its progress thread's).
+    pub fn domain_set(&self) -> &Arc<crate::engine::PollSet> {
+        &self.engine.set
     }
 
     /// Makes progress: writes what the socket takes, then reads and handles what has
