@@ -1205,7 +1205,7 @@ fn accept_loop(
                 match parse_private(&ep.peer_private_data()) {
                     Ok((depth, addr, nonce)) => {
                         let idx = g.av_accepted(addr, nonce);
-                        if let Err(e) = g.install(ep, idx, depth, false, false) {
+                        if let Err(e) = g.install(ep, idx, depth, false) {
                             tracing::warn!(target: "fabric_rdm", "accepted connection from {addr} dropped: {e}");
                         }
                     }
@@ -1384,14 +1384,7 @@ impl Inner {
 
     /// Installs connection `ep` to peer `idx`, which granted `credits`, and posts its
     /// receive buffers; `settled`: see [`Conn::settled`].
-    fn install(
-        &mut self,
-        ep: AnyEndpoint,
-        idx: u32,
-        credits: u32,
-        sending: bool,
-        settled: bool,
-    ) -> Result<u64> {
+    fn install(&mut self, ep: AnyEndpoint, idx: u32, credits: u32, settled: bool) -> Result<u64> {
         if self.cq_reserved + self.per_conn() > self.cfg.cq_capacity {
             let _ = ep.close();
             return Err(Error::new(
@@ -1447,7 +1440,7 @@ impl Inner {
         }
         self.cq_reserved += self.per_conn();
         let e = &mut self.av[idx as usize];
-        if sending || e.send_conn.is_none() {
+        if e.send_conn.is_none() {
             e.send_conn = Some(id);
         }
         Ok(id)
@@ -1548,7 +1541,7 @@ impl Inner {
         }
         // Only when no other connection carries messages to the peer yet (one may have been
         // accepted meanwhile): one connection per direction keeps messages in order.
-        self.install(ep, idx, depth, false, true)
+        self.install(ep, idx, depth, true)
     }
 
     fn send(
