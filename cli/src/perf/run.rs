@@ -13,6 +13,7 @@
 //! an earlier phase never matches).
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use fabric::prelude::*;
@@ -39,6 +40,10 @@ const STALL: Duration = Duration::from_secs(120);
 const IDLE: Duration = Duration::from_secs(1800);
 /// One ping-pong send or write in this many is signaled.
 const PINGPONG_SIGNAL: u64 = 32;
+/// Looks at a write ping-pong's marker between two polls of the completion queue, when
+/// spinning: about a poll's cost in loads and compares (a poll of an empty queue is a few
+/// hundred instructions; a look, the marker's word, about five).
+const MARKER_LOOKS: u32 = 32;
 /// Memory the server may register for receive buffers of send tests.
 const RECV_POOL_BYTES: u64 = 64 << 20;
 /// Receives each side of a send ping-pong keeps posted (at most; the server's pool also
@@ -126,27 +131,69 @@ impl Ctrl {
     }
 }
 
-/// Puts the write ping-pong marker of iteration `seq` at the end of `[0, size)`: the
-/// 64-bit `seq + 1` in the last 8 bytes (never repeats, never 0), or below 8 bytes
-/// `seq % 255 + 1` in the last byte.
-fn put_marker(mr: &MemoryRegion, size: usize, seq: u64) {
-    if size >= 8 {
-        mr.buffer().write(size - 8, &(seq + 1).to_le_bytes());
-    } else {
-        mr.buffer().write(size - 1, &[(seq % 255) as u8 + 1]);
-    }
+/// Where a write ping-pong's iteration marker lives: the end of `[0, size)` of a region.
+/// The marker of iteration `seq` is the 64-bit `seq + 1` (little-endian) in the last 8
+/// bytes (never repeats, never 0), or below 8 bytes `seq % 255 + 1` in the last byte.
+///
+/// When those 8 bytes are an aligned word (a size that is a multiple of 8: every size of
+/// the benches), the marker is read and written as that one word, found once per phase,
+/// as perftest reads and writes its one volatile byte: a look is a load and a compare,
+/// where the buffer's general copy checks the range and splits words (about 40
+/// instructions a look and 90 a put; callgrind, forty-fourth session), and the look that
+/// finds the peer's write and the put after it are on the ping-pong's critical path.
+#[derive(Clone, Copy)]
+struct Marker<'a> {
+    mr: &'a MemoryRegion,
+    size: usize,
+    word: Option<&'a AtomicU64>,
 }
 
-/// Whether the marker of iteration `seq` is at the end of `[0, size)`.
-fn has_marker(mr: &MemoryRegion, size: usize, seq: u64) -> bool {
-    if size >= 8 {
-        let mut b = [0u8; 8];
-        mr.buffer().read(size - 8, &mut b);
-        u64::from_le_bytes(b) == seq + 1
-    } else {
-        let mut b = [0u8];
-        mr.buffer().read(size - 1, &mut b);
-        b[0] == (seq % 255) as u8 + 1
+impl<'a> Marker<'a> {
+    fn new(mr: &'a MemoryRegion, size: usize) -> Self {
+        let word = size
+            .checked_sub(8)
+            .and_then(|at| mr.buffer().atomic_u64(at));
+        Marker { mr, size, word }
+    }
+
+    /// Writes the marker of iteration `seq`.
+    #[inline(always)]
+    fn put(&self, seq: u64) {
+        match self.word {
+            Some(w) => w.store((seq + 1).to_le(), Ordering::Relaxed),
+            None => self.put_bytes(seq),
+        }
+    }
+
+    /// Whether the marker of iteration `seq` is there.
+    #[inline(always)]
+    fn is(&self, seq: u64) -> bool {
+        match self.word {
+            Some(w) => u64::from_le(w.load(Ordering::Relaxed)) == seq + 1,
+            None => self.is_bytes(seq),
+        }
+    }
+
+    fn put_bytes(&self, seq: u64) {
+        let b = self.mr.buffer();
+        if self.size >= 8 {
+            b.write(self.size - 8, &(seq + 1).to_le_bytes());
+        } else {
+            b.write(self.size - 1, &[(seq % 255) as u8 + 1]);
+        }
+    }
+
+    fn is_bytes(&self, seq: u64) -> bool {
+        let b = self.mr.buffer();
+        if self.size >= 8 {
+            let mut w = [0u8; 8];
+            b.read(self.size - 8, &mut w);
+            u64::from_le_bytes(w) == seq + 1
+        } else {
+            let mut w = [0u8];
+            b.read(self.size - 1, &mut w);
+            w[0] == (seq % 255) as u8 + 1
+        }
     }
 }
 
@@ -368,14 +415,24 @@ impl<'a> Reaper<'a> {
         self.wait_until(self.mode, STALL, "completions", |r| r.done_upto >= upto)
     }
 
-    /// Polls the end of `[0, size)` in `buf` until it holds marker `seq`, reaping
-    /// completions meanwhile.
-    fn wait_marker(&mut self, buf: &MemoryRegion, size: usize, seq: u64) -> Result<(), String> {
+    /// Polls `marker` until it holds iteration `seq`, reaping completions meanwhile.
+    /// Spinning, it looks at the memory [`MARKER_LOOKS`] times between two polls of the
+    /// queue, as perftest's write ping-pong looks at its memory only: a poll of the
+    /// queue, hundreds of instructions, no longer sits between the peer's write landing
+    /// and the look that finds it on most iterations.
+    fn wait_marker(&mut self, marker: &Marker<'_>, seq: u64) -> Result<(), String> {
         let mut idle = 0u32;
         let mut since = None;
+        let looks = if self.mode == Mode::Spin {
+            MARKER_LOOKS
+        } else {
+            1
+        };
         loop {
-            if has_marker(buf, size, seq) {
-                return Ok(());
+            for _ in 0..looks {
+                if marker.is(seq) {
+                    return Ok(());
+                }
             }
             if self.poll_once()? == 0 && self.gone {
                 return Err(format!(
@@ -689,9 +746,10 @@ pub(crate) fn serve(
                 // Only the marker is ever non-zero in what is written.
                 local.buffer().fill(0, max_size, 0);
                 let src = [local.slice(0..size).map_err(e("slice"))?];
+                let (theirs, ours) = (Marker::new(&target, size), Marker::new(&local, size));
                 for k in 0..count {
-                    r.wait_marker(&target, size, m.c + k)?;
-                    put_marker(&local, size, m.c + k);
+                    r.wait_marker(&theirs, m.c + k)?;
+                    ours.put(m.c + k);
                     let wr = level(SendWr::write(ctx, &src, peer.at(0)), transmit);
                     let wr = if signal(ctx) { wr } else { wr.unsignaled() };
                     ctx += 1;
@@ -872,9 +930,8 @@ pub(crate) fn client(
                 let timed = plan.test == Test::Lat;
                 let io = PingIo {
                     op: plan.op,
-                    size,
-                    local: &local,
-                    target: &target,
+                    ours: Marker::new(&local, size),
+                    theirs: Marker::new(&target, size),
                     echo: &echo_sgl,
                     result: &result,
                 };
@@ -949,9 +1006,10 @@ pub(super) fn distribution(mut samples: Vec<f64>, xfers_per_iter: u64) -> [f64; 
 /// Regions of a ping-pong.
 struct PingIo<'a> {
     op: Op,
-    size: usize,
-    local: &'a MemoryRegion,
-    target: &'a MemoryRegion,
+    /// The marker this side's writes carry (write ping-pongs).
+    ours: Marker<'a>,
+    /// The marker the peer's writes leave in this side's target region.
+    theirs: Marker<'a>,
     echo: &'a [fabric::Slice<'a>],
     result: &'a MemoryRegion,
 }
@@ -1035,10 +1093,10 @@ impl State<'_> {
                 Op::Write => {
                     let seq = self.marker_seq;
                     self.marker_seq += 1;
-                    put_marker(io.local, io.size, seq);
+                    io.ours.put(seq);
                     let w = wr(ctx, signal(ctx) || self.phase_left == 0, 0);
                     self.r.post(|| ep.post_send(&w))?;
-                    self.r.wait_marker(io.target, io.size, seq)?;
+                    self.r.wait_marker(&io.theirs, seq)?;
                 }
                 Op::Tagged => unreachable!("refused at the top of `client`"),
                 Op::Read | Op::FetchAdd | Op::CompareSwap => {
@@ -1101,6 +1159,42 @@ mod tests {
             emptied += usize::from(model.is_empty());
         }
         assert!(emptied >= 3, "the backlog drained to empty in each block");
+    }
+
+    /// A marker kept in one aligned word reads and writes the same bytes as the
+    /// general copy (the peer may be an older `fabric perf`, or a size that is not a
+    /// multiple of 8 on the other side of a sweep), and looks only at the end of
+    /// `[0, size)`.
+    #[test]
+    fn a_marker_in_its_word_is_the_same_bytes_as_the_general_copy() {
+        let (domain, _) = crate::selector(Some("tcp"))
+            .and_then(|s| s.open().map_err(|e| e.to_string()))
+            .expect("tcp domain");
+        let mr = domain.alloc(64, Access::LOCAL_WRITE).unwrap();
+        for size in [1usize, 3, 8, 12, 16, 64] {
+            let m = Marker::new(&mr, size);
+            assert_eq!(
+                m.word.is_some(),
+                size % 8 == 0,
+                "size {size}: a word exactly when aligned"
+            );
+            for seq in [0u64, 1, 254, 255, 256, 1 << 40] {
+                mr.buffer().fill(0, 64, 0);
+                m.put(seq);
+                assert!(m.is(seq) && m.is_bytes(seq), "size {size} seq {seq}");
+                assert!(!m.is(seq + 1) && !m.is_bytes(seq + 1));
+                let bytes = mr.buffer().to_vec(0, 64);
+                mr.buffer().fill(0, 64, 0);
+                m.put_bytes(seq);
+                assert_eq!(mr.buffer().to_vec(0, 64), bytes, "size {size} seq {seq}");
+                assert!(m.is(seq));
+                let nonzero: Vec<usize> = (0..64).filter(|&i| bytes[i] != 0).collect();
+                assert!(
+                    nonzero.iter().all(|&i| i < size && i + 8 >= size.max(8)),
+                    "size {size}: the marker is the end of the range: {nonzero:?}"
+                );
+            }
+        }
     }
 
     /// A latency test's queues hold what its loop keeps outstanding (its echo receives
