@@ -461,6 +461,109 @@ impl SqRec {
     }
 }
 
+/// The send queue's records in posting order, and how many of them are reads.
+///
+/// A transmit-complete request on iWARP asks on every post whether a read that carries a
+/// completion is outstanding ([`EpCore::completing_read_out`]); the count answers "none"
+/// at once where a scan walked every record in flight (a bandwidth test's window, up to
+/// the send queue's depth). Every change of the queue goes through these methods, which
+/// keep the count; a record's `is_read` is set when it is made and never changed (debug
+/// builds check the count against a scan at every question).
+#[derive(Debug, Default)]
+struct SqRecs {
+    q: VecDeque<SqRec>,
+    /// Records in `q` whose `is_read` is set.
+    reads: usize,
+}
+
+impl std::ops::Deref for SqRecs {
+    type Target = VecDeque<SqRec>;
+
+    fn deref(&self) -> &VecDeque<SqRec> {
+        &self.q
+    }
+}
+
+impl std::ops::Index<usize> for SqRecs {
+    type Output = SqRec;
+
+    fn index(&self, i: usize) -> &SqRec {
+        &self.q[i]
+    }
+}
+
+impl std::ops::IndexMut<usize> for SqRecs {
+    fn index_mut(&mut self, i: usize) -> &mut SqRec {
+        &mut self.q[i]
+    }
+}
+
+impl SqRecs {
+    #[inline(always)]
+    fn push_back(&mut self, r: SqRec) {
+        self.reads += usize::from(r.is_read);
+        self.q.push_back(r);
+    }
+
+    fn insert(&mut self, at: usize, r: SqRec) {
+        self.reads += usize::from(r.is_read);
+        self.q.insert(at, r);
+    }
+
+    /// Counts `r` out of the queue, when it left it.
+    #[inline(always)]
+    fn left(&mut self, r: Option<SqRec>) -> Option<SqRec> {
+        if let Some(r) = &r {
+            self.reads -= usize::from(r.is_read);
+        }
+        r
+    }
+
+    fn pop_back(&mut self) -> Option<SqRec> {
+        let r = self.q.pop_back();
+        self.left(r)
+    }
+
+    #[inline(always)]
+    fn pop_front(&mut self) -> Option<SqRec> {
+        let r = self.q.pop_front();
+        self.left(r)
+    }
+
+    fn remove(&mut self, at: usize) -> Option<SqRec> {
+        let r = self.q.remove(at);
+        self.left(r)
+    }
+
+    /// Takes every record out, in order.
+    fn drain_all(&mut self) -> std::collections::vec_deque::Drain<'_, SqRec> {
+        self.reads = 0;
+        self.q.drain(..)
+    }
+
+    fn range_mut<R: std::ops::RangeBounds<usize>>(
+        &mut self,
+        range: R,
+    ) -> std::collections::vec_deque::IterMut<'_, SqRec> {
+        self.q.range_mut(range)
+    }
+
+    fn iter_mut(&mut self) -> std::collections::vec_deque::IterMut<'_, SqRec> {
+        self.q.iter_mut()
+    }
+
+    /// Whether a read is among the records (its count; debug builds check it by a scan).
+    #[inline(always)]
+    fn has_reads(&self) -> bool {
+        debug_assert_eq!(
+            self.reads,
+            self.q.iter().filter(|r| r.is_read).count(),
+            "the send queue's count of reads"
+        );
+        self.reads != 0
+    }
+}
+
 #[derive(Debug)]
 struct RqRec {
     seq: u64,
@@ -473,7 +576,7 @@ struct RqRec {
 struct Ledger {
     status: EndpointState,
     torn_down: bool,
-    sq: VecDeque<SqRec>,
+    sq: SqRecs,
     rq: VecDeque<RqRec>,
     /// Unposted records at the tail of `sq`.
     pending: usize,
@@ -1002,7 +1105,7 @@ impl EpCore {
                 Ledger {
                     status: EndpointState::Connected,
                     torn_down: false,
-                    sq: VecDeque::new(),
+                    sq: SqRecs::default(),
                     rq: VecDeque::new(),
                     pending: 0,
                     unposted: VecDeque::new(),
@@ -1818,9 +1921,10 @@ impl EpCore {
     /// must not complete before that earlier request.
     #[inline(always)]
     fn completing_read_out(l: &Ledger) -> bool {
-        // An empty queue (a ping-pong's, whose previous request completed) asks no
-        // iterator: the one over a `VecDeque` is a call of its own (callgrind).
-        !l.sq.is_empty() && l.sq.iter().any(|r| r.is_read && r.user.is_some())
+        // A queue without reads (a write or send ping-pong's or stream's) asks no
+        // iterator: the one over a `VecDeque` is a call of its own (callgrind), and
+        // walks every record in flight.
+        l.sq.has_reads() && l.sq.iter().any(|r| r.is_read && r.user.is_some())
     }
 
     /// Whether the ledger's path would post `wr` as it is (on a connection that adds to
@@ -2365,7 +2469,7 @@ impl EpCore {
             let mut cst = self.send_cq.lock();
             self.send_cq.drain(&mut cst);
             let mut l = self.lock();
-            let recs: Vec<SqRec> = l.sq.drain(..).collect();
+            let recs: Vec<SqRec> = l.sq.drain_all().collect();
             if !recs.is_empty() {
                 tracing::debug!(qp = self.qpn, n = recs.len(), "device did not flush these send-queue requests: the provider completes them Flushed");
             }
@@ -2561,7 +2665,7 @@ impl EpCore {
             self.send_cq.drain(&mut cst);
             let mut l = self.lock();
             let mut first = true;
-            for mut r in sq {
+            for mut r in sq.q {
                 if r.user.is_some() && std::mem::take(&mut first) && r.group_err().is_none() {
                     let e = r.failed().unwrap_or((ErrorKind::RetryExceeded, None));
                     r.note_group_err(Some(e));
@@ -3919,7 +4023,7 @@ impl EpCore {
             }
             let mut l = self.lock();
             if Arc::ptr_eq(cq, &self.send_cq) {
-                for r in l.sq.drain(..) {
+                for r in l.sq.drain_all() {
                     if r.internal {
                         cq.release_internal(1);
                     } else {
