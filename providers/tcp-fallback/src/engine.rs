@@ -274,20 +274,13 @@ impl PollSet {
 
     /// Watches `conn`'s socket for input and output readiness.
     pub fn add(&self, token: Token, sock: &TcpStream, conn: &Arc<Conn>) -> io::Result<()> {
-        let mut conns = self.conns.lock().expect("poll set poisoned");
-        if conns.contains_key(&token) {
-            return Ok(()); // the same queue for sends and receives
-        }
-        self.registry.register(
-            &mut SourceFd(&sock.as_raw_fd()),
-            token,
-            Interest::READABLE | Interest::WRITABLE,
-        )?;
-        conns.insert(token, Arc::downgrade(conn));
-        drop(conns);
-        // A napping progress thread would not see the new connection's readiness.
-        self.end_nap();
-        Ok(())
+        self.watch(token, Arc::downgrade(conn), || {
+            self.registry.register(
+                &mut SourceFd(&sock.as_raw_fd()),
+                token,
+                Interest::READABLE | Interest::WRITABLE,
+            )
+        })
     }
 
     /// The `epoll` descriptor (a duplicate sharing the instance): readable while
@@ -463,6 +456,28 @@ impl<P: Poller> PollSet<P> {
     /// Whether an application thread sleeps in this (completion queue's) set's `wait`.
     fn has_sleeper(&self) -> bool {
         self.sleepers.load(Ordering::SeqCst) > 0
+    }
+
+    /// [`add`](PollSet::add)'s protocol: puts connection `w` in view under `token`,
+    /// `register`ing its socket first (nothing if the token is in view already: the same
+    /// queue for sends and receives), then ends a nap of the progress thread, which would
+    /// not see the new connection's readiness. The loom model
+    /// `loom_nap_ends_when_a_connection_is_added` runs it.
+    fn watch(
+        &self,
+        token: Token,
+        w: Weak<Conn>,
+        register: impl FnOnce() -> io::Result<()>,
+    ) -> io::Result<()> {
+        let mut conns = self.conns.lock().expect("poll set poisoned");
+        if conns.contains_key(&token) {
+            return Ok(());
+        }
+        register()?;
+        conns.insert(token, w);
+        drop(conns);
+        self.end_nap();
+        Ok(())
     }
 
     /// Names the calling thread as the one whose naps [`end_nap`](Self::end_nap) ends:

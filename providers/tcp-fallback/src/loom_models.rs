@@ -434,3 +434,27 @@ fn loom_nap_ends_at_the_stop() {
         stopper.join().unwrap();
     });
 }
+
+#[test]
+fn loom_nap_ends_when_a_connection_is_added() {
+    // The application sleeps in a wait on the one connection's queue throughout, so the
+    // progress thread naps; a second connection joins the domain (`PollSet::add`, its
+    // socket's registration aside). Nobody drives the new one: the thread must see it,
+    // and a nap that missed the addition never ends (a deadlock). The thread naps again
+    // until its look finds the set's connections are no longer the ones it skipped.
+    explore("nap: a connection added", None, || {
+        let (domain, cq) = domain_and_cq();
+        cq.set.sleepers.fetch_add(1, Ordering::SeqCst);
+        let adder = {
+            let domain = domain.clone();
+            thread::spawn(move || {
+                domain
+                    .watch(mio::Token(2), std::sync::Weak::new(), || Ok(()))
+                    .unwrap();
+            })
+        };
+        domain.nap_here();
+        while domain.nap(1, || cq.set.has_sleeper(), || false) {}
+        adder.join().unwrap();
+    });
+}
