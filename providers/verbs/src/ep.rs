@@ -4226,6 +4226,56 @@ impl<F: Flavor> Drop for VerbsEndpoint<F> {
 mod tests {
     use super::*;
 
+    /// Every way records leave or join the send queue keeps its count of reads, against
+    /// a scan (`has_reads` checks the two agree in debug builds; asserted here in any).
+    #[test]
+    fn the_send_queue_counts_its_reads_through_every_change() {
+        let rec = |seq: u64, is_read: bool| SqRec {
+            seq,
+            unposted: false,
+            grouped: false,
+            user: None,
+            internal: false,
+            is_send: !is_read,
+            is_read,
+            deferrable: false,
+            _holds: Holds::new(),
+            rare: None,
+        };
+        let check = |q: &SqRecs| {
+            assert_eq!(q.reads, q.iter().filter(|r| r.is_read).count());
+            assert_eq!(q.has_reads(), q.reads > 0);
+        };
+        let mut q = SqRecs::default();
+        check(&q);
+        for seq in 0..12 {
+            q.push_back(rec(seq, seq % 3 == 0));
+            check(&q);
+        }
+        assert_eq!(q.reads, 4);
+        q.insert(5, rec(100, true));
+        q.insert(0, rec(101, false));
+        check(&q);
+        assert_eq!(q.remove(1).map(|r| r.is_read), Some(true));
+        assert!(q.remove(99).is_none());
+        check(&q);
+        assert!(q.pop_front().is_some_and(|r| !r.is_read));
+        assert!(q.pop_back().is_some());
+        check(&q);
+        while q.pop_front().is_some() {
+            check(&q);
+        }
+        assert!(!q.has_reads() && q.pop_back().is_none() && q.pop_front().is_none());
+        q.push_back(rec(1, true));
+        q.push_back(rec(2, false));
+        assert_eq!(q.drain_all().count(), 2);
+        check(&q);
+        q.push_back(rec(3, true));
+        let taken = std::mem::take(&mut q);
+        assert_eq!(taken.reads, 1);
+        check(&q);
+    }
+
     #[derive(Debug)]
     struct NoKeys;
 
