@@ -138,8 +138,8 @@ impl Ctrl {
 /// When those 8 bytes are an aligned word (a size that is a multiple of 8: every size of
 /// the benches), the marker is read and written as that one word, found once per phase,
 /// as perftest reads and writes its one volatile byte: a look is a load and a compare,
-/// where the buffer's general copy checks the range and splits words (about 40
-/// instructions a look and 90 a put; callgrind, forty-fourth session), and the look that
+/// where the buffer's general copy checks the range and splits words (about 70
+/// instructions a look and 80 a put; callgrind, forty-fourth session), and the look that
 /// finds the peer's write and the put after it are on the ping-pong's critical path.
 #[derive(Clone, Copy)]
 struct Marker<'a> {
