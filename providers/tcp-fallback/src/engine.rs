@@ -82,6 +82,11 @@ use sync::{AtomicUsize, Mutex};
 #[path = "sync.rs"]
 pub(crate) mod sync;
 
+// The hand-off timer's own file sits next to this one too (`src/handoff.rs`).
+#[path = "handoff.rs"]
+mod handoff;
+use handoff::{Handoff, Lease};
+
 #[cfg(all(test, loom))]
 #[path = "loom_models.rs"]
 mod loom_models;
@@ -262,6 +267,11 @@ pub(crate) struct PollSet<P: Poller = Poll> {
     /// to unpark then (set by the thread itself; a completion queue's set has none).
     napping: AtomicUsize,
     nap_thread: Mutex<Option<P::Thread>>,
+    /// The domain's progress thread's hand-off timer (set by the thread when it starts;
+    /// see `handoff`), and, for a completion queue's set, its side of a lease of one
+    /// (its polls push the timer back).
+    handoff: std::sync::OnceLock<Arc<Handoff>>,
+    lease: Arc<Lease>,
 }
 
 impl PollSet {
@@ -316,6 +326,8 @@ impl<P: Poller> PollSet<P> {
             hello_due: AtomicU64::new(u64::MAX),
             napping: AtomicUsize::new(0),
             nap_thread: Mutex::new(None),
+            handoff: std::sync::OnceLock::new(),
+            lease: Arc::default(),
         }
     }
 
@@ -401,7 +413,7 @@ impl<P: Poller> PollSet<P> {
         // `run_unless`.
         self.wake_sleepers();
         // `wake_sleepers` fenced already: every completion pushed comes here.
-        self.end_nap_fenced();
+        self.end_sleep_fenced();
     }
 
     /// [`wake`](Self::wake) but for a nap of the progress thread: for a change that only
@@ -414,17 +426,26 @@ impl<P: Poller> PollSet<P> {
         }
     }
 
-    /// Ends a nap of the domain's progress thread ([`PollSet::nap_begin`]), if it naps:
-    /// after a change it must look at (a wake, a new connection, an application's wait
-    /// that returned). Costs one load when it does not nap.
+    /// Ends a nap of the domain's progress thread ([`PollSet::nap_begin`]) or its
+    /// hand-off sleep (`handoff`), if it sleeps so: after a change it must look at (a
+    /// wake, a new connection). Costs two loads when it does not.
     pub fn end_nap(&self) {
-        // Paired with the store in `nap_begin`: either this sees the nap, or the thread,
-        // deciding to nap after it, sees the change that preceded this call.
+        // Paired with the store in `nap_begin` (and in `Handoff::sleep`): either this sees
+        // the sleep, or the thread, deciding to sleep after it, sees the change that
+        // preceded this call.
         sync::fence();
-        self.end_nap_fenced();
+        self.end_sleep_fenced();
     }
 
     /// [`end_nap`](Self::end_nap) after the caller's own `SeqCst` fence.
+    fn end_sleep_fenced(&self) {
+        self.end_nap_fenced();
+        if let Some(h) = self.handoff.get() {
+            h.end();
+        }
+    }
+
+    /// Ends a nap only (not a hand-off sleep), after the caller's own `SeqCst` fence.
     fn end_nap_fenced(&self) {
         if self.napping.load(Ordering::SeqCst) != 0 {
             if let Some(t) = &*self.nap_thread.lock().expect("poll set poisoned") {
@@ -447,6 +468,8 @@ impl<P: Poller> PollSet<P> {
                 let set = c.domain_set();
                 if Arc::as_ptr(set) != last {
                     last = Arc::as_ptr(set);
+                    // A nap only: a hand-off sleep ends by its own deadline, `HANDOFF`
+                    // after the application's last poll at the latest.
                     set.end_nap_fenced();
                 }
             }
@@ -582,6 +605,7 @@ impl<P: Poller> PollSet<P> {
         // One clock read serves both (a poll's own cost is mostly these few steps).
         let now = now_ns();
         self.mark_driven_at(now);
+        self.lease.poll(now);
         self.send_due(now);
         self.repeat_hellos(now);
         if let Ok(mut poll) = self.poll.try_lock() {
@@ -771,6 +795,13 @@ impl PollSet {
     /// `stop`, progresses every ready connection the application does not drive itself.
     fn progress_thread(&self, stop: &AtomicBool) {
         self.nap_here();
+        match Handoff::new() {
+            Ok(h) => {
+                let _ = self.handoff.set(h);
+            }
+            // The thread then sleeps `HANDOFF` at a time, as it did before the timer.
+            Err(e) => tracing::warn!("no hand-off timer (timerfd_create: {e})"),
+        }
         // Connections found ready while their application drove them; checked again every
         // HANDOFF until the application stops (then progressed here) or they are gone.
         let mut skipped: TokenMap<Weak<Conn>> = TokenMap::default();
@@ -810,7 +841,7 @@ impl PollSet {
                     })
                 };
                 if !self.nap(skipped.len(), all_driven, || stop.load(Ordering::Acquire)) {
-                    std::thread::sleep(HANDOFF);
+                    self.hand_off(&skipped, stop);
                 }
                 let mut poll = self.poll.lock().expect("poll set poisoned");
                 let (poller, events, _) = &mut *poll;
@@ -829,6 +860,73 @@ impl PollSet {
             });
         }
     }
+}
+
+impl PollSet {
+    /// The progress thread leaves the `skipped` connections to their application: it
+    /// sleeps until the earliest time one of them would stop counting as driven
+    /// ([`PollSet::app_driven`]), or until a hello repeat is due (a connection no longer
+    /// driven is taken over at the next turn, so a deadline already past is no spin). When one completion queue's set drives every connection of the
+    /// domain, that set holds the timer's lease for the sleep, and its polls push the
+    /// deadline back (see `handoff`).
+    fn hand_off(&self, skipped: &TokenMap<Weak<Conn>>, stop: &AtomicBool) {
+        let now = now_ns();
+        let until = skipped
+            .values()
+            .filter_map(Weak::upgrade)
+            .map(|c| {
+                c.send_cq
+                    .set()
+                    .driven_until(now)
+                    .max(c.recv_cq.set().driven_until(now))
+            })
+            .min()
+            .unwrap_or(now.saturating_add(HANDOFF.as_nanos() as u64))
+            .min(self.hello_due.load(Ordering::SeqCst));
+        let Some(h) = self.handoff.get() else {
+            std::thread::sleep(Duration::from_nanos(until.saturating_sub(now)));
+            return;
+        };
+        let lessee = lessee(skipped);
+        // Checked after the sleep is announced: a connection added, or a hello repeat
+        // noted, either shows here or ends the sleep.
+        let may_lease = || {
+            self.hello_due.load(Ordering::SeqCst) == u64::MAX
+                && self.conns.lock().expect("poll set poisoned").len() == skipped.len()
+        };
+        h.sleep(until, lessee.as_ref().map(|s| &s.lease), may_lease, || {
+            stop.load(Ordering::Acquire)
+        });
+    }
+
+    /// Until when ([`now_ns`]) this (completion queue's) set counts as driving its
+    /// connections if nobody looks at it again: [`HANDOFF`] after its last look, or
+    /// after `now` while a thread sleeps in it.
+    fn driven_until(&self, now: u64) -> u64 {
+        let from = if self.has_sleeper() {
+            now
+        } else {
+            self.driven_at.load(Ordering::Relaxed)
+        };
+        from.saturating_add(HANDOFF.as_nanos() as u64)
+    }
+}
+
+/// The completion queue's set that drives every one of `skipped` (each one's send or
+/// receive queue), if one does: the lessee of a hand-off sleep.
+fn lessee(skipped: &TokenMap<Weak<Conn>>) -> Option<Arc<PollSet>> {
+    let first = skipped.values().find_map(Weak::upgrade)?;
+    let drives_all = |s: &Arc<PollSet>| {
+        skipped.values().all(|w| {
+            w.upgrade()
+                .is_some_and(|c| Arc::ptr_eq(c.recv_cq.set(), s) || Arc::ptr_eq(c.send_cq.set(), s))
+        })
+    };
+    let found = [first.recv_cq.set(), first.send_cq.set()]
+        .into_iter()
+        .find(|s| drives_all(s))
+        .cloned();
+    found
 }
 
 /// A domain's engine: its poll set and, in `auto` mode, its progress thread.

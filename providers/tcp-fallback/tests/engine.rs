@@ -217,18 +217,33 @@ fn manual_progress_happens_only_where_the_application_polls() {
 /// Auto progress hands a connection to the application while it polls, and takes it back
 /// when the application stops: a write to a target that polled a moment ago, and then
 /// never again, still completes (the progress thread's skipped connections are rechecked,
-/// and no readiness is lost in between).
+/// and no readiness is lost in between). Twice: both ends in one domain (two connections,
+/// two queues: the progress thread sleeps on its timer alone), and the target in a domain
+/// of its own, whose only connection the target's queue drives: that queue's polls then
+/// hold the timer's lease and push it back (`handoff`), and the timer must still fire
+/// once they stop.
 #[test]
 fn progress_thread_takes_over_when_the_application_stops_polling() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let domain = TcpDomain::open(TcpOptions::default()).unwrap();
-    let cq_a = domain.create_cq(64).unwrap();
-    let cq_b = domain.create_cq(64).unwrap();
-    let (a, _b) = connect(&domain, &cq_a, &cq_b, 1).pop().unwrap();
-    let src = domain
+    let shared = TcpDomain::open(TcpOptions::default()).unwrap();
+    takes_over(&shared, &shared);
+    let initiator = TcpDomain::open(TcpOptions::default()).unwrap();
+    let target = TcpDomain::open(TcpOptions::default()).unwrap();
+    takes_over(&initiator, &target);
+}
+
+/// [`progress_thread_takes_over_when_the_application_stops_polling`] from `initiator` to
+/// `target`.
+fn takes_over(initiator: &TcpDomain, target: &TcpDomain) {
+    let cq_a = initiator.create_cq(64).unwrap();
+    let cq_b = target.create_cq(64).unwrap();
+    let (a, _b) = connect_between(initiator, target, &cq_a, &cq_b, 1)
+        .pop()
+        .unwrap();
+    let src = initiator
         .register(Arc::new(Buffer::from_slice(b"handoff!")), Access::empty())
         .unwrap();
-    let dst = domain
+    let dst = target
         .register(
             Arc::new(Buffer::new(8 * 64)),
             Access::LOCAL_WRITE | Access::REMOTE_WRITE,
@@ -251,6 +266,10 @@ fn progress_thread_takes_over_when_the_application_stops_polling() {
                 a.post_send(&SendWr::write(1 + ctx, &[src.all()], dst.desc().at(8 * i)))
                     .unwrap();
                 complete(1 + ctx);
+            }
+            // Long enough for the timer to be leased and pushed back more than once.
+            if round % 4 == 0 {
+                std::thread::sleep(std::time::Duration::from_millis(3));
             }
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
         });
