@@ -16,13 +16,17 @@
 //! **Hand-off.** While the application drives a connection itself (it polled one of the
 //! connection's completion queues within `HANDOFF` (1 ms), or sleeps in `wait` on one), the
 //! progress thread leaves that connection alone and stops waking up for it: it sleeps on a
-//! `HANDOFF` timer instead of in `epoll_wait`, and readiness that arrives meanwhile waits
+//! timer instead of in `epoll_wait`, and readiness that arrives meanwhile waits
 //! in the epoll ready list. Otherwise every message would wake two threads, and on a
 //! machine with fewer cores than busy threads the progress thread would preempt the
 //! polling application, or hold the connection's progress while preempted (measured with
 //! `fabric perf pingpong`: see BENCHMARKS.md). A connection the progress thread skipped
 //! stays on its list until it is progressed, so when the application stops polling the
-//! thread takes over within `HANDOFF`: no readiness is lost. While every connection of the
+//! thread takes over within `HANDOFF`: no readiness is lost. The thread sleeps until the
+//! first of its skipped connections would stop counting as driven, on a timer
+//! (`handoff`): when one completion queue drives every connection of the domain, that
+//! queue's polls push the timer back, so a thread that would only find the application
+//! still polling does not wake every `HANDOFF` to find it. While every connection of the
 //! domain is driven by an application blocked in `wait` (which its socket wakes directly),
 //! the thread naps instead of looking every `HANDOFF` (`PollSet::nap_begin`): the wait's
 //! return, any wake of the domain's set (a hello repeat, a stop) and a new connection end
