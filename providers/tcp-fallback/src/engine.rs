@@ -88,7 +88,7 @@ pub(crate) mod sync;
 
 // The hand-off timer's own file sits next to this one too (`src/handoff.rs`).
 #[path = "handoff.rs"]
-mod handoff;
+pub(crate) mod handoff;
 use handoff::{Handoff, Lease};
 
 #[cfg(all(test, loom))]
@@ -203,6 +203,8 @@ pub(crate) trait Poller: std::fmt::Debug {
     fn park(limit: Duration);
     /// Ends the nap of `thread`, or its next one.
     fn unpark(thread: &Self::Thread);
+    /// What the progress thread's hand-off sleep sleeps on (`handoff`).
+    type Timer: handoff::Timer;
 }
 
 impl Poller for Poll {
@@ -224,6 +226,7 @@ impl Poller for Poll {
     fn unpark(thread: &std::thread::Thread) {
         thread.unpark();
     }
+    type Timer = handoff::Timerfd;
 }
 
 /// A map keyed by connection tokens (numbers this provider hands out, one per connection,
@@ -274,8 +277,8 @@ pub(crate) struct PollSet<P: Poller = Poll> {
     /// The domain's progress thread's hand-off timer (set by the thread when it starts;
     /// see `handoff`), and, for a completion queue's set, its side of a lease of one
     /// (its polls push the timer back).
-    handoff: std::sync::OnceLock<Arc<Handoff>>,
-    lease: Arc<Lease>,
+    handoff: std::sync::OnceLock<Arc<Handoff<P::Timer>>>,
+    lease: Arc<Lease<P::Timer>>,
 }
 
 impl PollSet {

@@ -27,7 +27,7 @@
 
 use std::io;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -36,8 +36,60 @@ use rustix::time::{
     Timespec,
 };
 
+use crate::engine::sync::{fence, AtomicBool, AtomicU64, Mutex};
 use crate::engine::{now_ns, HANDOFF};
-use fabric_api::sync::Mutex;
+
+/// What the hand-off sleep sleeps on: a `timerfd` ([`Timerfd`]), and in the loom models
+/// a model timer that fires only when set to zero (`loom_models`).
+pub(crate) trait Timer: std::fmt::Debug + Send + Sync {
+    /// Arms the timer to fire once, `after` from now (zero: at once). A fire that nobody
+    /// waited for yet is forgotten, as `timerfd_settime` forgets it.
+    fn set(&self, after: Duration) -> io::Result<()>;
+    /// Blocks until the timer fires (or a signal interrupts), and consumes the fire.
+    /// `leased`: whether a lease may push the timer back meanwhile (the loom model has no
+    /// clock, so it ends a sleep that nobody can push at once: such a sleep ends by its
+    /// deadline anyway; a leased one only by a fire, since its deadline moves with polls).
+    fn wait(&self, leased: bool);
+}
+
+/// A `timerfd` on the monotonic clock.
+#[derive(Debug)]
+pub(crate) struct Timerfd(OwnedFd);
+
+impl Timerfd {
+    /// An unarmed timer.
+    pub fn new() -> io::Result<Timerfd> {
+        Ok(Timerfd(timerfd_create(
+            TimerfdClockId::Monotonic,
+            TimerfdFlags::CLOEXEC,
+        )?))
+    }
+}
+
+impl Timer for Timerfd {
+    fn set(&self, after: Duration) -> io::Result<()> {
+        // At least a nanosecond: a zero value disarms a timerfd.
+        let after = after.max(Duration::from_nanos(1));
+        let spec = Itimerspec {
+            it_interval: Timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
+            it_value: Timespec {
+                tv_sec: i64::try_from(after.as_secs()).unwrap_or(i64::MAX),
+                tv_nsec: i64::from(after.subsec_nanos()),
+            },
+        };
+        timerfd_settime(&self.0, TimerfdTimerFlags::empty(), &spec)?;
+        Ok(())
+    }
+
+    fn wait(&self, _leased: bool) {
+        let mut ticks = [0u8; 8];
+        // An error (EINTR) ends the wait early: the thread looks, and sleeps again.
+        let _ = rustix::io::read(&self.0, &mut ticks);
+    }
+}
 
 /// `HANDOFF` in nanoseconds.
 const HANDOFF_NS: u64 = HANDOFF.as_nanos() as u64;
@@ -51,16 +103,25 @@ const PUSH_WITHIN: u64 = HANDOFF_NS / 8;
 
 /// A completion queue's side of the hand-off timer: while it holds a lease, the deadline
 /// its polls push back.
-#[derive(Debug, Default)]
-pub(crate) struct Lease {
+#[derive(Debug)]
+pub(crate) struct Lease<T: Timer = Timerfd> {
     /// The timer's deadline ([`now_ns`]) while this set holds the lease; 0 otherwise.
     /// Read without a lock on every poll.
     deadline: AtomicU64,
     /// The timer leased (set with the lease, never cleared: a stale one is checked).
-    of: Mutex<Weak<Handoff>>,
+    of: Mutex<Weak<Handoff<T>>>,
 }
 
-impl Lease {
+impl<T: Timer> Default for Lease<T> {
+    fn default() -> Self {
+        Lease {
+            deadline: AtomicU64::new(0),
+            of: Mutex::new(Weak::new()),
+        }
+    }
+}
+
+impl<T: Timer> Lease<T> {
     /// Stores the deadline (under the timer's lock: its writers are serialised there).
     fn set_deadline(&self, at: u64) {
         fabric_api::sync::atomic_only(&self.deadline); // read by polls without a lock
@@ -88,7 +149,7 @@ impl Lease {
         // this lock, and a push after it would reset the timer's expirations.
         if st.lease.as_ref().is_some_and(|l| Arc::ptr_eq(l, self)) {
             let until = now.saturating_add(HANDOFF_NS);
-            if h.set(HANDOFF).is_ok() {
+            if h.timer.set(HANDOFF).is_ok() {
                 self.set_deadline(until);
             }
         }
@@ -96,18 +157,18 @@ impl Lease {
 }
 
 /// What [`Handoff`]'s lock guards.
-#[derive(Debug, Default)]
-struct State {
+#[derive(Debug)]
+struct State<T: Timer> {
     /// The lease granted for the current sleep, if any.
-    lease: Option<Arc<Lease>>,
+    lease: Option<Arc<Lease<T>>>,
     /// The current sleep was ended ([`Handoff::end`]): grant no lease, push nothing.
     ended: bool,
 }
 
 /// How [`Handoff::sleep`] sleeps.
 enum Sleep {
-    /// On the timer.
-    Timer,
+    /// On the timer (leased or not).
+    Timer(bool),
     /// A plain timed sleep (the timer failed to arm).
     Plain,
     /// Not at all: ended or stopped already.
@@ -116,40 +177,32 @@ enum Sleep {
 
 /// The domain progress thread's hand-off timer (see the module docs).
 #[derive(Debug)]
-pub(crate) struct Handoff {
-    timer: OwnedFd,
-    st: Mutex<State>,
+pub(crate) struct Handoff<T: Timer = Timerfd> {
+    timer: T,
+    st: Mutex<State<T>>,
     /// True while the thread sleeps on the timer (or is about to): an
     /// [`end`](Self::end) looks at it without the lock.
     sleeping: AtomicBool,
 }
 
 impl Handoff {
-    /// A timer on the monotonic clock, unarmed.
+    /// On a `timerfd`, unarmed.
     pub fn new() -> io::Result<Arc<Handoff>> {
-        let timer = timerfd_create(TimerfdClockId::Monotonic, TimerfdFlags::CLOEXEC)?;
-        Ok(Arc::new(Handoff {
-            timer,
-            st: Mutex::new(State::default()),
-            sleeping: AtomicBool::new(false),
-        }))
+        Ok(Handoff::with(Timerfd::new()?))
     }
+}
 
-    /// Arms the timer to fire once, `after` from now (at least a nanosecond: zero disarms).
-    fn set(&self, after: Duration) -> io::Result<()> {
-        let after = after.max(Duration::from_nanos(1));
-        let spec = Itimerspec {
-            it_interval: Timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            },
-            it_value: Timespec {
-                tv_sec: i64::try_from(after.as_secs()).unwrap_or(i64::MAX),
-                tv_nsec: i64::from(after.subsec_nanos()),
-            },
-        };
-        timerfd_settime(&self.timer, TimerfdTimerFlags::empty(), &spec)?;
-        Ok(())
+impl<T: Timer> Handoff<T> {
+    /// On `timer`, unarmed.
+    pub fn with(timer: T) -> Arc<Handoff<T>> {
+        Arc::new(Handoff {
+            timer,
+            st: Mutex::new(State {
+                lease: None,
+                ended: false,
+            }),
+            sleeping: AtomicBool::new(false),
+        })
     }
 
     /// The thread sleeps until `deadline` ([`now_ns`]), an [`end`](Self::end), or, when
@@ -160,20 +213,21 @@ impl Handoff {
     pub fn sleep(
         self: &Arc<Self>,
         deadline: u64,
-        lessee: Option<&Arc<Lease>>,
+        lessee: Option<&Arc<Lease<T>>>,
         may_lease: impl FnOnce() -> bool,
         stopped: impl FnOnce() -> bool,
     ) {
         self.sleeping.store(true, Ordering::SeqCst);
         // Paired with the caller's fence in `end`: either it sees `sleeping`, or this
         // thread sees its change in `may_lease` or `stopped`.
-        std::sync::atomic::fence(Ordering::SeqCst);
+        fence();
         let lessee = lessee.filter(|_| may_lease());
         let how = {
             let mut st = self.st.lock().expect("hand-off poisoned");
             if st.ended || stopped() {
                 Sleep::Not
             } else if self
+                .timer
                 .set(Duration::from_nanos(deadline.saturating_sub(now_ns())))
                 .is_err()
             {
@@ -184,15 +238,11 @@ impl Handoff {
                     l.set_deadline(deadline.max(1));
                     st.lease = Some(l.clone());
                 }
-                Sleep::Timer
+                Sleep::Timer(lessee.is_some())
             }
         };
         match how {
-            Sleep::Timer => {
-                let mut ticks = [0u8; 8];
-                // An error (EINTR) ends the sleep early: the thread looks, and sleeps again.
-                let _ = rustix::io::read(&self.timer, &mut ticks);
-            }
+            Sleep::Timer(leased) => self.timer.wait(leased),
             // No timer (it failed to arm): the plain sleep of old rather than a spin.
             Sleep::Plain => {
                 std::thread::sleep(Duration::from_nanos(deadline.saturating_sub(now_ns())))
@@ -222,7 +272,7 @@ impl Handoff {
         if let Some(l) = st.lease.take() {
             l.set_deadline(0);
         }
-        if let Err(e) = self.set(Duration::ZERO) {
+        if let Err(e) = self.timer.set(Duration::ZERO) {
             tracing::error!("timerfd_settime failed: {e}");
         }
     }

@@ -12,7 +12,10 @@
 //! * the domain progress thread's nap ([`PollSet::nap`], [`PollSet::end_nap`], with
 //!   `park` / `unpark` of the model's thread): the thread naps only while an application
 //!   sleeps in a wait that drives its connection, and the wait's return or the domain's
-//!   stop always ends the nap.
+//!   stop always ends the nap;
+//! * its hand-off sleep (`Handoff::sleep`, with the `timerfd` replaced by a model timer,
+//!   [`ModelTimer`]) while the lessee's polls push the timer back (`Lease::poll`): the
+//!   domain's stop and a new connection always end it.
 //!
 //! Run with:
 //!
@@ -27,7 +30,9 @@
 //! before it counts itself a sleeper (deadlock at once); `serialised` without its second
 //! look at the flag after letting go (an arrival never handled); `nap_begin` announcing
 //! the nap after its checks instead of before, or without its fence, `end_nap` without its
-//! fence (the wait's return missed), `wake` without `end_nap_fenced` (the stop missed).
+//! fence (the wait's return missed), `wake` without `end_nap_fenced` (the stop missed);
+//! a push that does not check that its lease still holds, or a grant that does not check
+//! for an end (the stop's or the addition's end forgotten).
 //! The fences of the real code are loom's in these builds (`sync::fence`).
 //!
 //! loom treats sequentially consistent accesses as acquire / release only, so the flag is
@@ -46,8 +51,9 @@ use mio::Events;
 
 use fabric_api::{Completion, ErrorKind};
 
+use super::handoff::{Handoff, Timer};
 use super::sync::{serialised, TryLock};
-use super::{PollSet, Poller};
+use super::{PollSet, Poller, HANDOFF};
 use crate::cq::Inner;
 
 /// The model of an `epoll` instance's waker: set by a wake, cleared by the next wait
@@ -96,6 +102,36 @@ impl Poller for ModelPoller {
     }
     fn unpark(thread: &thread::Thread) {
         thread.unpark();
+    }
+    type Timer = ModelTimer;
+}
+
+/// The model of the hand-off `timerfd`: fires when set to zero (an end), never by itself
+/// (loom has no clock), so a leased sleep that misses its end is a deadlock; a sleep
+/// nobody can push ends at once (it would end by its own deadline). A set forgets a fire
+/// not waited for yet, as `timerfd_settime` does.
+#[derive(Debug, Default)]
+struct ModelTimer {
+    fired: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Timer for ModelTimer {
+    fn set(&self, after: Duration) -> io::Result<()> {
+        let mut fired = self.fired.lock().unwrap();
+        *fired = after.is_zero();
+        if *fired {
+            self.cv.notify_one();
+        }
+        Ok(())
+    }
+
+    fn wait(&self, leased: bool) {
+        let mut fired = self.fired.lock().unwrap();
+        while leased && !*fired {
+            fired = self.cv.wait(fired).unwrap();
+        }
+        *fired = false;
     }
 }
 
@@ -456,5 +492,91 @@ fn loom_nap_ends_when_a_connection_is_added() {
         domain.nap_here();
         while domain.nap(1, || cq.set.has_sleeper(), || false) {}
         adder.join().unwrap();
+    });
+}
+
+/// A deadline far enough never to be reached in a model (the model timer has no clock
+/// anyway), and a poll time near it: a poll then pushes the leased timer back.
+const FAR: u64 = u64::MAX / 2;
+
+/// The hand-off sleep (`handoff`): the domain's progress thread sleeps on its timer
+/// with the connection's queue holding the lease, while that queue's polls push it back,
+/// and `end` (what `wake` and `watch` call) ends the sleep. Returns the domain, the queue
+/// and the domain's hand-off.
+fn handoff_domain() -> (Arc<PollSet<ModelPoller>>, Arc<Cq>, Arc<Handoff<ModelTimer>>) {
+    let (domain, cq) = domain_and_cq();
+    let h = Handoff::with(ModelTimer::default());
+    domain.handoff.set(h.clone()).unwrap();
+    (domain, cq, h)
+}
+
+/// Two polls of the queue, each near the leased deadline of its moment (each pushes if
+/// the lease holds then).
+fn push_twice(cq: &Cq) {
+    let hand_off = HANDOFF.as_nanos() as u64;
+    cq.set.lease.poll(FAR - 1);
+    cq.set.lease.poll(FAR - 1 + hand_off);
+}
+
+#[test]
+fn loom_handoff_sleep_ends_at_the_stop_while_polls_push() {
+    // The progress thread sleeps on its timer, leased to the queue whose polls push it
+    // back; the domain stops (`Engine`'s drop: the flag, then `wake`). The stop's end must
+    // wake the thread: a push after the end (which forgets the fire), or a lease granted
+    // after it, would keep the thread asleep for as long as the polls go on (here, for
+    // good: a deadlock).
+    explore("hand-off: against the stop, polls pushing", None, || {
+        let (domain, cq, h) = handoff_domain();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopper = {
+            let (domain, stop) = (domain.clone(), stop.clone());
+            thread::spawn(move || {
+                stop.store(true, Ordering::SeqCst);
+                domain.wake();
+            })
+        };
+        let poller = {
+            let cq = cq.clone();
+            thread::spawn(move || push_twice(&cq))
+        };
+        while !stop.load(Ordering::Acquire) {
+            h.sleep(
+                FAR,
+                Some(&cq.set.lease),
+                || true,
+                || stop.load(Ordering::Acquire),
+            );
+        }
+        stopper.join().unwrap();
+        poller.join().unwrap();
+    });
+}
+
+#[test]
+fn loom_handoff_sleep_ends_when_a_connection_is_added() {
+    // As above, but a second connection joins the domain (`PollSet::add`, its socket's
+    // registration aside), which the lessee does not drive: either the thread's look
+    // before the grant sees it (no lease: the sleep is bounded by its own deadline) or the
+    // addition's end wakes it.
+    explore("hand-off: a connection added, polls pushing", None, || {
+        let (domain, cq, h) = handoff_domain();
+        let adder = {
+            let domain = domain.clone();
+            thread::spawn(move || {
+                domain
+                    .watch(mio::Token(2), std::sync::Weak::new(), || Ok(()))
+                    .unwrap();
+            })
+        };
+        let poller = {
+            let cq = cq.clone();
+            thread::spawn(move || push_twice(&cq))
+        };
+        let one = || domain.conns.lock().unwrap().len() == 1;
+        while one() {
+            h.sleep(FAR, Some(&cq.set.lease), one, || false);
+        }
+        adder.join().unwrap();
+        poller.join().unwrap();
     });
 }

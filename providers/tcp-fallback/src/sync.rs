@@ -2,7 +2,7 @@
 //! them as one function:
 //!
 //! * a poll set's sleep / wake protocol ([`crate::engine::PollSet`], the progress
-//!   thread's nap included) and the completion queue built on it ([`crate::cq`]): under
+//!   thread's nap and its hand-off timer's lease included) and the completion queue built on it ([`crate::cq`]): under
 //!   `--cfg loom` their mutexes, atomics and fences are loom's, so the models in
 //!   `loom_models` explore every interleaving of the real code;
 //! * [`serialised`], the try-lock and "more to do" flag that serialises a connection's
@@ -17,11 +17,11 @@
 use std::sync::atomic::Ordering;
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::AtomicUsize;
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 #[cfg(loom)]
 pub(crate) use loom::sync::Mutex;
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::AtomicUsize;
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 // std's, annotated for valgrind's race detector (`fabric_api::sync`).
 #[cfg(not(loom))]
 pub(crate) use fabric_api::sync::Mutex;
