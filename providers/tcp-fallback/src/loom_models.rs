@@ -415,6 +415,33 @@ fn domain_and_cq() -> (Arc<PollSet<ModelPoller>>, Arc<Cq>) {
     (Arc::new(domain), cq(2))
 }
 
+/// Stops the domain from another thread, as `Engine`'s drop does (the flag, then `wake`):
+/// the flag and the thread.
+fn stop_from_another_thread(
+    domain: &Arc<PollSet<ModelPoller>>,
+) -> (Arc<AtomicBool>, thread::JoinHandle<()>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let stopper = {
+        let (domain, stop) = (domain.clone(), stop.clone());
+        thread::spawn(move || {
+            stop.store(true, Ordering::SeqCst);
+            domain.wake();
+        })
+    };
+    (stop, stopper)
+}
+
+/// Adds a second connection to the domain from another thread (`PollSet::add`, its
+/// socket's registration aside).
+fn add_from_another_thread(domain: &Arc<PollSet<ModelPoller>>) -> thread::JoinHandle<()> {
+    let domain = domain.clone();
+    thread::spawn(move || {
+        domain
+            .watch(mio::Token(2), std::sync::Weak::new(), || Ok(()))
+            .unwrap();
+    })
+}
+
 #[test]
 fn loom_nap_ends_when_the_wait_returns() {
     // The progress thread skipped the connection, which an application drives from a wait
@@ -454,14 +481,7 @@ fn loom_nap_ends_at_the_stop() {
     explore("nap: against the domain's stop", None, || {
         let (domain, cq) = domain_and_cq();
         cq.set.sleepers.fetch_add(1, Ordering::SeqCst);
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopper = {
-            let (domain, stop) = (domain.clone(), stop.clone());
-            thread::spawn(move || {
-                stop.store(true, Ordering::SeqCst);
-                domain.wake();
-            })
-        };
+        let (stop, stopper) = stop_from_another_thread(&domain);
         domain.nap_here();
         while !stop.load(Ordering::Acquire) {
             let napped = domain.nap(1, || cq.set.has_sleeper(), || stop.load(Ordering::Acquire));
@@ -481,14 +501,7 @@ fn loom_nap_ends_when_a_connection_is_added() {
     explore("nap: a connection added", None, || {
         let (domain, cq) = domain_and_cq();
         cq.set.sleepers.fetch_add(1, Ordering::SeqCst);
-        let adder = {
-            let domain = domain.clone();
-            thread::spawn(move || {
-                domain
-                    .watch(mio::Token(2), std::sync::Weak::new(), || Ok(()))
-                    .unwrap();
-            })
-        };
+        let adder = add_from_another_thread(&domain);
         domain.nap_here();
         while domain.nap(1, || cq.set.has_sleeper(), || false) {}
         adder.join().unwrap();
@@ -527,14 +540,7 @@ fn loom_handoff_sleep_ends_at_the_stop_while_polls_push() {
     // good: a deadlock).
     explore("hand-off: against the stop, polls pushing", None, || {
         let (domain, cq, h) = handoff_domain();
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopper = {
-            let (domain, stop) = (domain.clone(), stop.clone());
-            thread::spawn(move || {
-                stop.store(true, Ordering::SeqCst);
-                domain.wake();
-            })
-        };
+        let (stop, stopper) = stop_from_another_thread(&domain);
         let poller = {
             let cq = cq.clone();
             thread::spawn(move || push_twice(&cq))
@@ -560,14 +566,7 @@ fn loom_handoff_sleep_ends_when_a_connection_is_added() {
     // addition's end wakes it.
     explore("hand-off: a connection added, polls pushing", None, || {
         let (domain, cq, h) = handoff_domain();
-        let adder = {
-            let domain = domain.clone();
-            thread::spawn(move || {
-                domain
-                    .watch(mio::Token(2), std::sync::Weak::new(), || Ok(()))
-                    .unwrap();
-            })
-        };
+        let adder = add_from_another_thread(&domain);
         let poller = {
             let cq = cq.clone();
             thread::spawn(move || push_twice(&cq))
