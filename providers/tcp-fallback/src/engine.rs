@@ -873,9 +873,10 @@ impl PollSet {
     /// The progress thread leaves the `skipped` connections to their application: it
     /// sleeps until the earliest time one of them would stop counting as driven
     /// ([`PollSet::app_driven`]), or until a hello repeat is due (a connection no longer
-    /// driven is taken over at the next turn, so a deadline already past is no spin). When one completion queue's set drives every connection of the
-    /// domain, that set holds the timer's lease for the sleep, and its polls push the
-    /// deadline back (see `handoff`).
+    /// driven is taken over at the next turn, so a deadline already past is no spin).
+    /// When one completion queue's set drives every connection of the domain, that set
+    /// holds the timer's lease for the sleep, and its polls push the deadline back (see
+    /// `handoff`).
     fn hand_off(&self, skipped: &TokenMap<Weak<Conn>>, stop: &AtomicBool) {
         let now = now_ns();
         let until = skipped

@@ -4,19 +4,19 @@
 //! thread leaves them to it and looks again once `HANDOFF` has passed since the
 //! application's last look (the engine's module docs). A plain timed sleep would wake the
 //! thread every `HANDOFF` as long as the application polls, only to find it still polling:
-//! two context switches a millisecond, each of which takes the core from a polling thread
-//! that shares it (the 99th percentile of an 8-byte `fabric perf lat` ping-pong on the
-//! pinned host rose from 5 to 15 usec with them: BENCHMARKS.md, forty-fifth session).
+//! two context switches and a timer a millisecond, each of which takes the core from a
+//! polling thread that shares it (the 99th percentile of an 8-byte `fabric perf lat`
+//! ping-pong on the pinned host: 15-23 usec with them, 5-7 with no progress thread at all;
+//! BENCHMARKS.md, forty-fifth session).
 //!
 //! So the thread sleeps on a timer ([`Handoff`], a `timerfd`), and when one completion
 //! queue's poll set drives every connection of the domain, the thread **leases** that set
 //! the timer ([`Lease`]): each poll of the set that finds the timer due within an eighth
 //! of `HANDOFF` pushes it to `HANDOFF` after itself (one `timerfd_settime` per seven
 //! eighths of a millisecond of polling, instead of two context switches and a timer per
-//! millisecond). The bound
-//! still holds: every deadline the timer ever holds is a look of the application plus
-//! `HANDOFF` at most, so it fires at the latest `HANDOFF` after the last poll, and the
-//! thread takes over.
+//! millisecond). The bound still holds: every deadline the timer ever holds is a look of
+//! the application plus `HANDOFF` at most, so it fires at the latest `HANDOFF` after the
+//! last poll, and the thread takes over.
 //!
 //! A timer pushed back could also hide what only the thread looks at: a new connection
 //! (not yet the lessee's), a stop, a hello repeat. Whoever makes such a change ends the
@@ -129,7 +129,7 @@ impl<T: Timer> Lease<T> {
     }
 
     /// The set's poll at `now` ([`now_ns`]): pushes the leased timer back to `HANDOFF`
-    /// after `now` if it is due within half of that. One load while it is not.
+    /// after `now` if it is due within [`PUSH_WITHIN`]. One load while it is not.
     pub fn poll(self: &Arc<Self>, now: u64) {
         let due = self.deadline.load(Ordering::Relaxed);
         if due == 0 || now.saturating_add(PUSH_WITHIN) < due {
