@@ -867,9 +867,7 @@ impl PollSet {
             });
         }
     }
-}
 
-impl PollSet {
     /// The progress thread leaves the `skipped` connections to their application: it
     /// sleeps until the earliest time one of them would stop counting as driven
     /// ([`PollSet::app_driven`]), or until a hello repeat is due (a connection no longer
