@@ -278,13 +278,61 @@ impl<T: Timer> Handoff<T> {
     }
 }
 
+/// A model of the `timerfd`, for the tests and the loom models.
+#[cfg(test)]
+pub(crate) use model::ModelTimer;
+
+#[cfg(test)]
+mod model {
+    use std::io;
+    use std::time::Duration;
+
+    #[cfg(loom)]
+    use loom::sync::{Condvar, Mutex};
+    #[cfg(not(loom))]
+    use std::sync::{Condvar, Mutex};
+
+    use super::Timer;
+
+    /// A model of the `timerfd` for the tests and the loom models (loom's lock and
+    /// condition variable in those): it fires when set to zero (an end), never by itself,
+    /// so that a leased sleep that misses its end blocks for good (loom reports a
+    /// deadlock, a test times out); a sleep nobody can push ends at once (it would end by
+    /// its own deadline). A set forgets a fire not waited for yet, as `timerfd_settime`
+    /// does.
+    #[derive(Debug, Default)]
+    pub(crate) struct ModelTimer {
+        fired: Mutex<bool>,
+        cv: Condvar,
+    }
+
+    impl Timer for ModelTimer {
+        fn set(&self, after: Duration) -> io::Result<()> {
+            let mut fired = self.fired.lock().unwrap();
+            *fired = after.is_zero();
+            if *fired {
+                self.cv.notify_one();
+            }
+            Ok(())
+        }
+
+        fn wait(&self, leased: bool) {
+            let mut fired = self.fired.lock().unwrap();
+            while leased && !*fired {
+                fired = self.cv.wait(fired).unwrap();
+            }
+            *fired = false;
+        }
+    }
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use std::sync::mpsc;
 
     /// Waits until `lease` holds a deadline (the sleeper granted it).
-    fn granted(lease: &Lease) -> u64 {
+    fn granted<T: Timer>(lease: &Lease<T>) -> u64 {
         loop {
             let d = lease.deadline.load(Ordering::Relaxed);
             if d != 0 {
@@ -292,6 +340,17 @@ mod tests {
             }
             std::thread::yield_now();
         }
+    }
+
+    /// Waits until `lease` holds a deadline, or `sleeper` is over (then false).
+    fn granted_before_the_end_of(lease: &Lease, sleeper: &std::thread::JoinHandle<()>) -> bool {
+        while lease.deadline.load(Ordering::Relaxed) == 0 {
+            if sleeper.is_finished() {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+        true
     }
 
     /// A sleep with no lease lasts until its deadline, and one already ended or stopped
@@ -309,10 +368,11 @@ mod tests {
 
     /// The lease: granted with the sleep's deadline, pushed by a poll only once the
     /// deadline is near (to `HANDOFF` after the poll), taken back by an end (which wakes
-    /// the sleeper), and a poll after that pushes nothing.
+    /// the sleeper), and a poll after that pushes nothing. On the model timer, so that
+    /// no clock ends the sleep before the end does.
     #[test]
     fn polls_push_a_leased_deadline_only_near_it_and_only_while_leased() {
-        let h = Handoff::new().unwrap();
+        let h = Handoff::with(ModelTimer::default());
         let lease = Arc::new(Lease::default());
         let deadline = now_ns() + 1000 * HANDOFF_NS;
         let sleeper = {
@@ -329,7 +389,6 @@ mod tests {
         let at = deadline - PUSH_WITHIN / 2;
         lease.poll(at);
         assert_eq!(lease.deadline.load(Ordering::Relaxed), at + HANDOFF_NS);
-        // The timer now fires `HANDOFF` from now, or the end does.
         h.end();
         sleeper.join().unwrap();
         assert_eq!(lease.deadline.load(Ordering::Relaxed), 0);
@@ -365,7 +424,7 @@ mod tests {
     /// after it would see a deadline again and go on pushing).
     #[test]
     fn a_push_that_comes_after_an_end_does_nothing() {
-        let h = Handoff::new().unwrap();
+        let h = Handoff::with(ModelTimer::default());
         let lease = Arc::new(Lease::default());
         let sleeper = {
             let (h, l) = (h.clone(), lease.clone());
@@ -387,7 +446,11 @@ mod tests {
     /// timer's fire and keep the sleeper asleep for as long as the polls go on.
     #[test]
     fn an_end_wins_over_pushes() {
-        for _ in 0..20 {
+        let mut checked = 0;
+        for _ in 0..1000 {
+            if checked == 20 {
+                break;
+            }
             let h = Handoff::new().unwrap();
             let lease = Arc::new(Lease::default());
             let (done_tx, done) = mpsc::channel();
@@ -398,7 +461,12 @@ mod tests {
                     let _ = done_tx.send(());
                 })
             };
-            granted(&lease);
+            // The sleep's own deadline is a millisecond away (so that the polls push): a
+            // round in which this thread missed the whole lease shows nothing; the next.
+            if !granted_before_the_end_of(&lease, &sleeper) {
+                sleeper.join().unwrap();
+                continue;
+            }
             let polling = AtomicBool::new(true);
             std::thread::scope(|s| {
                 s.spawn(|| {
@@ -412,6 +480,8 @@ mod tests {
                 assert!(woke.is_ok(), "the end was lost to a push");
             });
             sleeper.join().unwrap();
+            checked += 1;
         }
+        assert!(checked > 0, "no round saw the lease granted");
     }
 }

@@ -14,7 +14,7 @@
 //!   sleeps in a wait that drives its connection, and the wait's return or the domain's
 //!   stop always ends the nap;
 //! * its hand-off sleep (`Handoff::sleep`, with the `timerfd` replaced by a model timer,
-//!   [`ModelTimer`]) while the lessee's polls push the timer back (`Lease::poll`): the
+//!   `handoff::ModelTimer`) while the lessee's polls push the timer back (`Lease::poll`): the
 //!   domain's stop and a new connection always end it.
 //!
 //! Run with:
@@ -51,7 +51,7 @@ use mio::Events;
 
 use fabric_api::{Completion, ErrorKind};
 
-use super::handoff::{Handoff, Timer};
+use super::handoff::{Handoff, ModelTimer};
 use super::sync::{serialised, TryLock};
 use super::{PollSet, Poller, HANDOFF};
 use crate::cq::Inner;
@@ -104,35 +104,6 @@ impl Poller for ModelPoller {
         thread.unpark();
     }
     type Timer = ModelTimer;
-}
-
-/// The model of the hand-off `timerfd`: fires when set to zero (an end), never by itself
-/// (loom has no clock), so a leased sleep that misses its end is a deadlock; a sleep
-/// nobody can push ends at once (it would end by its own deadline). A set forgets a fire
-/// not waited for yet, as `timerfd_settime` does.
-#[derive(Debug, Default)]
-struct ModelTimer {
-    fired: Mutex<bool>,
-    cv: Condvar,
-}
-
-impl Timer for ModelTimer {
-    fn set(&self, after: Duration) -> io::Result<()> {
-        let mut fired = self.fired.lock().unwrap();
-        *fired = after.is_zero();
-        if *fired {
-            self.cv.notify_one();
-        }
-        Ok(())
-    }
-
-    fn wait(&self, leased: bool) {
-        let mut fired = self.fired.lock().unwrap();
-        while leased && !*fired {
-            fired = self.cv.wait(fired).unwrap();
-        }
-        *fired = false;
-    }
 }
 
 type Cq = Inner<ModelPoller>;
