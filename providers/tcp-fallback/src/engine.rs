@@ -99,6 +99,9 @@ mod loom_models;
 /// progress thread leaves that connection to it (see the module docs).
 pub(crate) const HANDOFF: Duration = Duration::from_millis(1);
 
+/// [`HANDOFF`] in nanoseconds ([`now_ns`]'s unit).
+pub(crate) const HANDOFF_NS: u64 = HANDOFF.as_nanos() as u64;
+
 /// How long a poll of the application may keep a deferred delivery ack held, by default
 /// in progress mode `auto` (`TcpOptions::ack_hold`; see the module docs): as long as the
 /// progress thread takes to send it once the application stops polling.
@@ -398,11 +401,22 @@ impl<P: Poller> PollSet<P> {
     /// it, or polled it within [`HANDOFF`]. A hint for the progress thread, never needed
     /// for correctness.
     pub fn app_driven(&self) -> bool {
+        let now = now_ns();
+        self.driven_until(now) > now
+    }
+
+    /// Until when ([`now_ns`]) this (completion queue's) set counts as driving its
+    /// connections ([`app_driven`](Self::app_driven)) if nobody looks at it again:
+    /// [`HANDOFF`] after its last look, or after `now` while a thread sleeps in it; 0 if
+    /// nobody ever looked.
+    fn driven_until(&self, now: u64) -> u64 {
         if self.sleepers.load(Ordering::Relaxed) > 0 {
-            return true;
+            return now.saturating_add(HANDOFF_NS);
         }
-        let at = self.driven_at.load(Ordering::Relaxed);
-        at != 0 && now_ns().saturating_sub(at) < HANDOFF.as_nanos() as u64
+        match self.driven_at.load(Ordering::Relaxed) {
+            0 => 0,
+            at => at.saturating_add(HANDOFF_NS),
+        }
     }
 
     /// Notes that a thread looks at this set at `now` ([`now_ns`]).
@@ -887,7 +901,7 @@ impl PollSet {
                     .max(c.recv_cq.set().driven_until(now))
             })
             .min()
-            .unwrap_or(now.saturating_add(HANDOFF.as_nanos() as u64))
+            .unwrap_or(now.saturating_add(HANDOFF_NS))
             .min(self.hello_due.load(Ordering::SeqCst));
         let Some(h) = self.handoff.get() else {
             std::thread::sleep(Duration::from_nanos(until.saturating_sub(now)));
@@ -903,18 +917,6 @@ impl PollSet {
         h.sleep(until, lessee.as_ref().map(|s| &s.lease), may_lease, || {
             stop.load(Ordering::Acquire)
         });
-    }
-
-    /// Until when ([`now_ns`]) this (completion queue's) set counts as driving its
-    /// connections if nobody looks at it again: [`HANDOFF`] after its last look, or
-    /// after `now` while a thread sleeps in it.
-    fn driven_until(&self, now: u64) -> u64 {
-        let from = if self.has_sleeper() {
-            now
-        } else {
-            self.driven_at.load(Ordering::Relaxed)
-        };
-        from.saturating_add(HANDOFF.as_nanos() as u64)
     }
 }
 

@@ -37,7 +37,7 @@ use rustix::time::{
 };
 
 use crate::engine::sync::{fence, AtomicBool, AtomicU64, Mutex};
-use crate::engine::{now_ns, HANDOFF};
+use crate::engine::{now_ns, HANDOFF, HANDOFF_NS};
 
 /// What the hand-off sleep sleeps on: a `timerfd` ([`Timerfd`]), and in the loom models
 /// a model timer that fires only when set to zero (`loom_models`).
@@ -90,9 +90,6 @@ impl Timer for Timerfd {
         let _ = rustix::io::read(&self.0, &mut ticks);
     }
 }
-
-/// `HANDOFF` in nanoseconds.
-const HANDOFF_NS: u64 = HANDOFF.as_nanos() as u64;
 
 /// How near its deadline a poll pushes the leased timer: an eighth of `HANDOFF`, so that
 /// an application polling in a loop pushes it once every seven eighths (each push costs a

@@ -53,7 +53,7 @@ use fabric_api::{Completion, ErrorKind};
 
 use super::handoff::{Handoff, ModelTimer};
 use super::sync::{serialised, TryLock};
-use super::{PollSet, Poller, HANDOFF};
+use super::{PollSet, Poller, HANDOFF_NS};
 use crate::cq::Inner;
 
 /// The model of an `epoll` instance's waker: set by a wake, cleared by the next wait
@@ -497,9 +497,8 @@ fn handoff_domain() -> (Arc<PollSet<ModelPoller>>, Arc<Cq>, Arc<Handoff<ModelTim
 /// Two polls of the queue, each near the leased deadline of its moment (each pushes if
 /// the lease holds then).
 fn push_twice(cq: &Cq) {
-    let hand_off = HANDOFF.as_nanos() as u64;
     cq.set.lease.poll(FAR - 1);
-    cq.set.lease.poll(FAR - 1 + hand_off);
+    cq.set.lease.poll(FAR - 1 + HANDOFF_NS);
 }
 
 #[test]
