@@ -28,6 +28,7 @@ use crate::cq::{CompletionTarget, CqInner, CqState};
 use crate::domain::DomainInner;
 use crate::emu::{self, AmoOp, AmoReply, AmoReq, EmuWatch, ExtDesc, ImmRec};
 use crate::ffi::{self, CmId, HwCq, HwOp, HwWr, Inline, Mr, Sge, Sges, Wc};
+use crate::fifo::{self, Fifo};
 use crate::status::{self, wc};
 use crate::sync::{Rank, Ranked, RankedGuard};
 use crate::{Flavor, Transport};
@@ -461,7 +462,8 @@ impl SqRec {
     }
 }
 
-/// The send queue's records in posting order, and how many of them are reads.
+/// The send queue's records in posting order (a [`Fifo`]: a post's push is inlined), and
+/// how many of them are reads.
 ///
 /// A transmit-complete request on iWARP asks on every post whether a read that carries a
 /// completion is outstanding ([`EpCore::completing_read_out`]); the count answers "none"
@@ -471,15 +473,15 @@ impl SqRec {
 /// builds check the count against a scan at every question).
 #[derive(Debug, Default)]
 struct SqRecs {
-    q: VecDeque<SqRec>,
+    q: Fifo<SqRec>,
     /// Records in `q` whose `is_read` is set.
     reads: usize,
 }
 
 impl std::ops::Deref for SqRecs {
-    type Target = VecDeque<SqRec>;
+    type Target = Fifo<SqRec>;
 
-    fn deref(&self) -> &VecDeque<SqRec> {
+    fn deref(&self) -> &Fifo<SqRec> {
         &self.q
     }
 }
@@ -536,19 +538,16 @@ impl SqRecs {
     }
 
     /// Takes every record out, in order.
-    fn drain_all(&mut self) -> std::collections::vec_deque::Drain<'_, SqRec> {
+    fn drain_all(&mut self) -> impl Iterator<Item = SqRec> + '_ {
         self.reads = 0;
-        self.q.drain(..)
+        self.q.drain_all()
     }
 
-    fn range_mut<R: std::ops::RangeBounds<usize>>(
-        &mut self,
-        range: R,
-    ) -> std::collections::vec_deque::IterMut<'_, SqRec> {
+    fn range_mut<R: std::ops::RangeBounds<usize>>(&mut self, range: R) -> fifo::IterMut<'_, SqRec> {
         self.q.range_mut(range)
     }
 
-    fn iter_mut(&mut self) -> std::collections::vec_deque::IterMut<'_, SqRec> {
+    fn iter_mut(&mut self) -> fifo::IterMut<'_, SqRec> {
         self.q.iter_mut()
     }
 
@@ -577,7 +576,7 @@ struct Ledger {
     status: EndpointState,
     torn_down: bool,
     sq: SqRecs,
-    rq: VecDeque<RqRec>,
+    rq: Fifo<RqRec>,
     /// Unposted records at the tail of `sq`.
     pending: usize,
     /// The requests of those records, in the same order (`pending` of them).
@@ -1106,7 +1105,7 @@ impl EpCore {
                     status: EndpointState::Connected,
                     torn_down: false,
                     sq: SqRecs::default(),
-                    rq: VecDeque::new(),
+                    rq: Fifo::default(),
                     pending: 0,
                     unposted: VecDeque::new(),
                     next_seq: 1,
@@ -1921,9 +1920,8 @@ impl EpCore {
     /// must not complete before that earlier request.
     #[inline(always)]
     fn completing_read_out(l: &Ledger) -> bool {
-        // A queue without reads (a write or send ping-pong's or stream's) asks no
-        // iterator: the one over a `VecDeque` is a call of its own (callgrind), and
-        // walks every record in flight.
+        // A queue without reads (a write or send ping-pong's or stream's) walks no
+        // records: a scan looks at every record in flight.
         l.sq.has_reads() && l.sq.iter().any(|r| r.is_read && r.user.is_some())
     }
 
@@ -2486,7 +2484,7 @@ impl EpCore {
             let mut cst = self.recv_cq.lock();
             self.recv_cq.drain(&mut cst);
             let mut l = self.lock();
-            let recs: Vec<RqRec> = l.rq.drain(..).collect();
+            let recs: Vec<RqRec> = l.rq.drain_all().collect();
             for r in recs {
                 cst.ready.push(
                     Completion::flushed(r.context, Opcode::Recv).on_endpoint(self.ep_context),

@@ -139,6 +139,7 @@ mod ep;
 pub mod fault;
 #[allow(unsafe_code)]
 mod ffi;
+mod fifo;
 pub mod gid;
 #[cfg(all(test, loom))]
 mod loom_models;
