@@ -280,15 +280,19 @@ impl Op {
 }
 
 /// The clock and samples of a ping-pong loop. The clock is read once per iteration as
-/// perftest's `_lat` tools do: each sample is the time since the previous read (the first,
-/// since the loop began), so it covers one whole iteration. Reading the clock once instead
-/// of twice per iteration matters where a read is dear: in the soft-RDMA guest
-/// `clock_gettime` is an emulated HPET access of about 1.6 us.
+/// perftest's `_lat` tools do: each sample is the time between two reads, so it covers one
+/// whole iteration. Reading the clock once instead of twice per iteration matters where a
+/// read is dear: in the soft-RDMA guest every instruction and call costs tens of
+/// nanoseconds. The read comes right after an iteration's request left
+/// ([`sent`](Self::sent)), where it overlaps the wait for the peer's reply; perftest
+/// reads its clock just before the post, and taken there ours (`clock_gettime` through
+/// the vDSO, where perftest reads the TSC inline) delayed every request
+/// (BENCHMARKS.md, forty-sixth session).
 pub(crate) struct Laps {
-    /// The clock at the start, then at the end of every iteration (when timed). The
-    /// differences are taken after the loop: inside it an iteration costs one clock read
-    /// and a store, as perftest's one `get_cycles` per iteration into an array (in the
-    /// soft-RDMA guest every instruction is tens of nanoseconds).
+    /// The clock at the start, then after the first request of every iteration but the
+    /// first, then at the end (when timed). The differences are taken after the loop:
+    /// inside it an iteration costs one clock read and a store, as perftest's one
+    /// `get_cycles` per iteration into an array.
     stamps: Vec<std::time::Instant>,
 }
 
@@ -303,19 +307,28 @@ impl Laps {
         Laps { stamps }
     }
 
-    /// The end of iteration `i`: records its time (when timed) and advances the progress
-    /// bar every 256 iterations (the loop's end adds `n & 255`).
-    pub(crate) fn done(&mut self, i: u64, bar: &indicatif::ProgressBar) {
-        if !self.stamps.is_empty() {
+    /// Iteration `i`'s (first) request left: iteration `i - 1` ends here (when timed).
+    #[inline]
+    pub(crate) fn sent(&mut self, i: u64) {
+        if i > 0 && !self.stamps.is_empty() {
             self.stamps.push(std::time::Instant::now());
         }
+    }
+
+    /// The end of iteration `i`: advances the progress bar every 256 iterations (the
+    /// loop's end adds `n & 255`).
+    #[inline]
+    pub(crate) fn done(&self, i: u64, bar: &indicatif::ProgressBar) {
         if i & 255 == 255 {
             bar.inc(256);
         }
     }
 
-    /// Seconds per iteration, in order (empty when untimed).
-    pub(crate) fn into_samples(self) -> Vec<f64> {
+    /// Ends the last iteration; seconds per iteration, in order (empty when untimed).
+    pub(crate) fn into_samples(mut self) -> Vec<f64> {
+        if !self.stamps.is_empty() {
+            self.stamps.push(std::time::Instant::now());
+        }
         self.stamps
             .windows(2)
             .map(|w| w[1].duration_since(w[0]).as_secs_f64())
@@ -710,27 +723,38 @@ mod tests {
         let bar = indicatif::ProgressBar::hidden();
         let mut untimed = Laps::start(false, 3);
         for i in 0..3 {
+            untimed.sent(i);
             untimed.done(i, &bar);
         }
         assert!(
             untimed.into_samples().is_empty(),
             "untimed: nothing recorded"
         );
-        // As perftest's samples: each runs from the previous read to this one, so time
-        // spent between two iterations (here a pause) belongs to the next sample.
+        // As perftest's samples: each runs from one read to the next, here from one
+        // iteration's request to the next's, so time spent between two posts (here a
+        // pause in iteration 1, after its post) belongs to that iteration's sample, and
+        // the last ends when the loop does.
         let pause = std::time::Duration::from_millis(20);
         let begun = std::time::Instant::now();
         let mut laps = Laps::start(true, 3);
-        laps.done(0, &bar);
+        for i in 0..3 {
+            laps.sent(i);
+            if i == 1 {
+                std::thread::sleep(pause);
+            }
+            laps.done(i, &bar);
+        }
         std::thread::sleep(pause);
-        laps.done(1, &bar);
-        laps.done(2, &bar);
-        let total = begun.elapsed().as_secs_f64();
         let s = laps.into_samples();
+        let total = begun.elapsed().as_secs_f64();
         assert_eq!(s.len(), 3);
         assert!(
-            s[1] >= pause.as_secs_f64(),
-            "{s:?}: the pause is in the second lap"
+            s[1] >= pause.as_secs_f64() && s[0] < pause.as_secs_f64(),
+            "{s:?}: the first pause is in the second lap"
+        );
+        assert!(
+            s[2] >= pause.as_secs_f64(),
+            "{s:?}: the second pause, after the loop's last post, is in the last lap"
         );
         let sum: f64 = s.iter().sum();
         assert!(

@@ -286,6 +286,7 @@ fn ping(
         )
         .map_err(e("post a receive"))?;
         ep.tsend(peer, DATA, src, SEND).map_err(e("send"))?;
+        laps.sent(i);
         let c = next_recv(ep, mode, stash, STALL)?;
         check_len(&c, size)?;
         laps.done(i, bar);
