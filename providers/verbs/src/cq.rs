@@ -45,7 +45,7 @@ pub(crate) trait DeviceQueue: Send + Sync {
 }
 
 impl DeviceQueue for HwCq {
-    #[inline]
+    #[inline(always)]
     fn poll(&self, out: &mut [Wc]) -> std::io::Result<usize> {
         HwCq::poll(self, out)
     }
