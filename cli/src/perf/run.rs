@@ -321,6 +321,11 @@ impl<'a> Reaper<'a> {
     }
 
     /// Waits until `ready` holds, polling per the mode; `limit` without progress is an error.
+    /// Inlined into its two callers: a read's or atomic's completion is usually queued
+    /// when its post returns (rxe runs the whole round trip inside the doorbell's system
+    /// call), and the call was one more on that iteration's way to the next post
+    /// (callgrind, BENCHMARKS.md, forty-sixth session).
+    #[inline(always)]
     fn wait_until(
         &mut self,
         mode: Mode,
