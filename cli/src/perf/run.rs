@@ -484,18 +484,6 @@ impl<'a> Reaper<'a> {
         }
     }
 
-    /// [`post`](Self::post) of `wr` on `ep`, the first attempt made here rather than
-    /// through a closure: in the server's loop the closure was compiled as a call of its
-    /// own between the receive and the echo (callgrind in the soft-RDMA guest,
-    /// BENCHMARKS.md, forty-sixth session).
-    #[inline(always)]
-    fn post_send(&mut self, ep: &AnyEndpoint, wr: &SendWr<'_>) -> Result<(), String> {
-        match ep.post_send(wr) {
-            Ok(()) => Ok(()),
-            Err(err) => self.post_again(err, || ep.post_send(wr)),
-        }
-    }
-
     /// [`post`](Self::post)'s refusals: reaps and retries while the queue is full.
     #[inline(never)]
     fn post_again(
@@ -679,25 +667,6 @@ impl ServerModes {
 }
 
 /// The server: accepts one client and runs the phases it asks for.
-/// Gives receive slot `i` of `pool` (slots of `slot` bytes) back to `ep`. A bandwidth
-/// phase's sends are one-way: the client may have had its last send (and its BYE)
-/// delivered and closed before this repost, which then finds the endpoint gone. Nothing is
-/// lost: the client closes only once its BYE completed, so the BYE is the next message the
-/// server's loop reads (and ends with), and a client that left without one still fails
-/// that wait. Inlined: in a ping-pong it lies between the receive and the echo, and as a
-/// closure it was a call there (callgrind in the soft-RDMA guest, forty-sixth session).
-#[inline(always)]
-fn repost(ep: &AnyEndpoint, pool: &MemoryRegion, slot: usize, i: u64) -> Result<(), String> {
-    let s = i as usize * slot;
-    match ep.post_recv(&RecvWr::new(
-        i,
-        &[pool.slice(s..s + slot).map_err(e("slice"))?],
-    )) {
-        Err(err) if err.kind() == ErrorKind::InvalidState => Ok(()),
-        r => r.map_err(e("post_recv")),
-    }
-}
-
 pub(crate) fn serve(
     domain: &AnyDomain,
     listener: &AnyListener,
@@ -742,8 +711,23 @@ pub(crate) fn serve(
     let pool = domain
         .alloc(slot * nrecv as usize, Access::LOCAL_WRITE)
         .map_err(e("register receive pool"))?;
+    // Gives a receive slot back once its message was read. A bandwidth phase's sends are
+    // one-way: the client may have had its last send (and its BYE) delivered and closed
+    // before this repost, which then finds the endpoint gone. Nothing is lost: the client
+    // closes only once its BYE completed, so the BYE is the next message the loop below
+    // reads (and ends with), and a client that left without one still fails that wait.
+    let post_slot = |i: u64| -> Result<(), String> {
+        let s = i as usize * slot;
+        match ep.post_recv(&RecvWr::new(
+            i,
+            &[pool.slice(s..s + slot).map_err(e("slice"))?],
+        )) {
+            Err(err) if err.kind() == ErrorKind::InvalidState => Ok(()),
+            r => r.map_err(e("post_recv")),
+        }
+    };
     for i in 0..nrecv {
-        repost(&ep, &pool, slot, i)?;
+        post_slot(i)?;
     }
     let ctrl_mr = domain
         .alloc(CTRL_LEN, Access::LOCAL_WRITE)
@@ -761,7 +745,7 @@ pub(crate) fn serve(
         match m.kind {
             // The client may be gone already: nothing more is posted.
             BYE => return Ok(()),
-            PHASE => repost(&ep, &pool, slot, c.context)?,
+            PHASE => post_slot(c.context)?,
             k => return Err(format!("unexpected control kind {k}")),
         }
         let test = Test::from_code(m.test).ok_or("unknown test in phase")?;
@@ -773,12 +757,12 @@ pub(crate) fn serve(
                 let inline = size as u64 <= queues.inline_limit(&domain.info().caps.limits);
                 for _ in 0..count {
                     let c = r.next_recv(mode, STALL)?;
-                    repost(&ep, &pool, slot, c.context)?;
+                    post_slot(c.context)?;
                     let wr = level(SendWr::send(ctx, &src), transmit);
                     let wr = if inline { wr.inline() } else { wr };
                     let wr = if signal(ctx) { wr } else { wr.unsignaled() };
                     ctx += 1;
-                    r.post_send(&ep, &wr)?;
+                    r.post(|| ep.post_send(&wr))?;
                 }
             }
             (Test::Pingpong | Test::Lat, Op::Write) => {
@@ -792,27 +776,27 @@ pub(crate) fn serve(
                     let wr = level(SendWr::write(ctx, &src, peer.at(0)), transmit);
                     let wr = if signal(ctx) { wr } else { wr.unsignaled() };
                     ctx += 1;
-                    r.post_send(&ep, &wr)?;
+                    r.post(|| ep.post_send(&wr))?;
                 }
             }
             (Test::Pingpong | Test::Lat, Op::WriteImm) => {
                 let src = [local.slice(0..size).map_err(e("slice"))?];
                 for _ in 0..count {
                     let c = r.next_recv(mode, STALL)?;
-                    repost(&ep, &pool, slot, c.context)?;
+                    post_slot(c.context)?;
                     let wr = level(
                         SendWr::write(ctx, &src, peer.at(0)).with_imm(ctx as u32),
                         transmit,
                     );
                     let wr = if signal(ctx) { wr } else { wr.unsignaled() };
                     ctx += 1;
-                    r.post_send(&ep, &wr)?;
+                    r.post(|| ep.post_send(&wr))?;
                 }
             }
             (Test::Bw, Op::Send | Op::WriteImm) => {
                 for _ in 0..count {
                     let c = r.next_recv(mode, STALL)?;
-                    repost(&ep, &pool, slot, c.context)?;
+                    post_slot(c.context)?;
                 }
             }
             // One-sided operations: the server application does nothing.
@@ -1091,7 +1075,7 @@ impl State<'_> {
             let signaled = (i + 1).is_multiple_of(every) || self.ctx + 1 == end;
             let w = wr(self.ctx, signaled, 0);
             let ep = self.ep;
-            self.r.post_send(ep, &w)?;
+            self.r.post(|| ep.post_send(&w))?;
             self.ctx += 1;
             if i & 1023 == 1023 {
                 bar.inc(1024);
@@ -1120,7 +1104,7 @@ impl State<'_> {
             match io.op {
                 Op::Send | Op::WriteImm => {
                     let w = wr(ctx, signal(ctx) || self.phase_left == 0, 0);
-                    self.r.post_send(ep, &w)?;
+                    self.r.post(|| ep.post_send(&w))?;
                     laps.sent(i);
                     self.r.next_recv(mode, STALL)?;
                     self.echo_posted -= 1;
@@ -1135,14 +1119,14 @@ impl State<'_> {
                     self.marker_seq += 1;
                     io.ours.put(seq);
                     let w = wr(ctx, signal(ctx) || self.phase_left == 0, 0);
-                    self.r.post_send(ep, &w)?;
+                    self.r.post(|| ep.post_send(&w))?;
                     laps.sent(i);
                     self.r.wait_marker(&io.theirs, seq)?;
                 }
                 Op::Tagged => unreachable!("refused at the top of `client`"),
                 Op::Read | Op::FetchAdd | Op::CompareSwap => {
                     let w = wr(ctx, true, self.cas_compare);
-                    self.r.post_send(ep, &w)?;
+                    self.r.post(|| ep.post_send(&w))?;
                     laps.sent(i);
                     self.r.wait_done(ctx + 1)?;
                     if io.op == Op::CompareSwap {
