@@ -667,6 +667,24 @@ impl ServerModes {
 }
 
 /// The server: accepts one client and runs the phases it asks for.
+/// Gives receive slot `i` of `pool` (slots of `slot` bytes) back to `ep`, once its
+/// message was read. A bandwidth phase's sends are one-way: the client may have had its
+/// last send (and its BYE) delivered and closed before this repost, which then finds the
+/// endpoint gone. Nothing is lost: the client closes only once its BYE completed, so the
+/// BYE is the next message the server's loop reads (and ends with), and a client that
+/// left without one still fails that wait.
+#[inline(always)]
+fn repost(ep: &AnyEndpoint, pool: &MemoryRegion, slot: usize, i: u64) -> Result<(), String> {
+    let s = i as usize * slot;
+    match ep.post_recv(&RecvWr::new(
+        i,
+        &[pool.slice(s..s + slot).map_err(e("slice"))?],
+    )) {
+        Err(err) if err.kind() == ErrorKind::InvalidState => Ok(()),
+        r => r.map_err(e("post_recv")),
+    }
+}
+
 pub(crate) fn serve(
     domain: &AnyDomain,
     listener: &AnyListener,
@@ -711,21 +729,7 @@ pub(crate) fn serve(
     let pool = domain
         .alloc(slot * nrecv as usize, Access::LOCAL_WRITE)
         .map_err(e("register receive pool"))?;
-    // Gives a receive slot back once its message was read. A bandwidth phase's sends are
-    // one-way: the client may have had its last send (and its BYE) delivered and closed
-    // before this repost, which then finds the endpoint gone. Nothing is lost: the client
-    // closes only once its BYE completed, so the BYE is the next message the loop below
-    // reads (and ends with), and a client that left without one still fails that wait.
-    let post_slot = |i: u64| -> Result<(), String> {
-        let s = i as usize * slot;
-        match ep.post_recv(&RecvWr::new(
-            i,
-            &[pool.slice(s..s + slot).map_err(e("slice"))?],
-        )) {
-            Err(err) if err.kind() == ErrorKind::InvalidState => Ok(()),
-            r => r.map_err(e("post_recv")),
-        }
-    };
+    let post_slot = |i: u64| repost(&ep, &pool, slot, i);
     for i in 0..nrecv {
         post_slot(i)?;
     }
@@ -755,15 +759,10 @@ pub(crate) fn serve(
             (Test::Pingpong | Test::Lat, Op::Send) => {
                 let src = [local.slice(0..size).map_err(e("slice"))?];
                 let inline = size as u64 <= queues.inline_limit(&domain.info().caps.limits);
-                for _ in 0..count {
-                    let c = r.next_recv(mode, STALL)?;
-                    post_slot(c.context)?;
-                    let wr = level(SendWr::send(ctx, &src), transmit);
-                    let wr = if inline { wr.inline() } else { wr };
-                    let wr = if signal(ctx) { wr } else { wr.unsignaled() };
-                    ctx += 1;
-                    r.post(|| ep.post_send(&wr))?;
-                }
+                let level = |w| level(w, transmit);
+                let level = |w| if inline { level(w).inline() } else { level(w) };
+                let pool = (&pool, slot);
+                echo_sends(&mut r, &ep, pool, &src, &level, &mut ctx, count)?;
             }
             (Test::Pingpong | Test::Lat, Op::Write) => {
                 // Only the marker is ever non-zero in what is written.
@@ -1005,6 +1004,34 @@ pub(crate) fn client(
         }
     }
     Ok(rows)
+}
+
+/// The server's side of a send ping-pong phase: `count` echoes, each sent (`how` sets its
+/// completion level and whether it goes inline) once a receive arrived and its slot of
+/// `pool` (the region and its slot size) was given back. Apart from `serve`: inside that large function the compiler
+/// kept the repost's and the post's closures and the run-time dispatch as calls of their
+/// own between the receive and the echo (callgrind in the soft-RDMA guest, BENCHMARKS.md,
+/// forty-sixth session).
+#[inline(never)]
+fn echo_sends<'w>(
+    r: &mut Reaper<'_>,
+    ep: &AnyEndpoint,
+    (pool, slot): (&MemoryRegion, usize),
+    src: &'w [fabric::Slice<'w>],
+    how: &impl Fn(SendWr<'w>) -> SendWr<'w>,
+    ctx: &mut u64,
+    count: u64,
+) -> Result<(), String> {
+    let mode = r.mode;
+    for _ in 0..count {
+        let c = r.next_recv(mode, STALL)?;
+        repost(ep, pool, slot, c.context)?;
+        let wr = how(SendWr::send(*ctx, src));
+        let wr = if signal(*ctx) { wr } else { wr.unsignaled() };
+        *ctx += 1;
+        r.post(|| ep.post_send(&wr))?;
+    }
+    Ok(())
 }
 
 /// `w`, transmit complete if `transmit` (`--completion transmit`).
