@@ -348,34 +348,27 @@ impl<'a> Reaper<'a> {
                 ));
             }
             idle = idle.wrapping_add(1);
-            self.idle(mode, idle, &mut since, limit, what)?;
+            if !Self::just_spin(mode, idle) {
+                self.idle(mode, idle, &mut since, limit, what)?;
+            }
         }
         Ok(())
     }
 
-    /// One empty poll's pause, and the stall check (every 1024 empty polls when polling;
-    /// blocking, after a wait that timed out). A spinning caller's every empty poll runs
-    /// it: that case is inlined into the caller, the rest apart (callgrind in the
-    /// soft-RDMA guest found it a call on every empty poll, a call and return in the
-    /// delay before the next poll sees a completion).
+    /// Whether an empty poll needs nothing more than the next poll: spinning, and not the
+    /// 1024th in a row (the stall check's). Asked inline by the waits before they call
+    /// [`idle`](Self::idle): a spinning caller's every empty poll asks, and callgrind in
+    /// the soft-RDMA guest found `idle` a call on every one, a call and return in the
+    /// delay before the next poll sees a completion.
     #[inline(always)]
-    fn idle(
-        &mut self,
-        mode: Mode,
-        idle: u32,
-        since: &mut Option<Instant>,
-        limit: Duration,
-        what: &str,
-    ) -> Result<(), String> {
-        if mode == Mode::Spin && !idle.is_multiple_of(1024) {
-            return Ok(());
-        }
-        self.pause(mode, idle, since, limit, what)
+    fn just_spin(mode: Mode, idle: u32) -> bool {
+        mode == Mode::Spin && !idle.is_multiple_of(1024)
     }
 
-    /// [`idle`](Self::idle) but for a spinning caller's plain empty poll.
+    /// One empty poll's pause, and the stall check (every 1024 empty polls when polling;
+    /// blocking, after a wait that timed out).
     #[inline(never)]
-    fn pause(
+    fn idle(
         &mut self,
         mode: Mode,
         idle: u32,
@@ -470,7 +463,9 @@ impl<'a> Reaper<'a> {
             } else {
                 self.mode
             };
-            self.idle(mode, idle, &mut since, STALL, "the peer's write")?;
+            if !Self::just_spin(mode, idle) {
+                self.idle(mode, idle, &mut since, STALL, "the peer's write")?;
+            }
         }
     }
 
