@@ -1003,10 +1003,10 @@ pub(crate) fn client(
 
 /// The server's side of a send ping-pong phase: `count` echoes, each sent (`how` sets its
 /// completion level and whether it goes inline) once a receive arrived and its slot of
-/// `pool` (the region and its slot size) was given back. Apart from `serve`: inside that large function the compiler
-/// kept the repost's and the post's closures and the run-time dispatch as calls of their
-/// own between the receive and the echo (callgrind in the soft-RDMA guest, BENCHMARKS.md,
-/// forty-sixth session).
+/// `pool` (the region and its slot size) was given back. Apart from `serve`: inside that
+/// large function the compiler kept the repost's and the post's closures as calls of
+/// their own between the receive and the echo (callgrind in the soft-RDMA guest,
+/// BENCHMARKS.md, forty-sixth session).
 #[inline(never)]
 fn echo_sends<'w>(
     r: &mut Reaper<'_>,
