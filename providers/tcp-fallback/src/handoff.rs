@@ -328,26 +328,16 @@ mod tests {
     use super::*;
     use std::sync::mpsc;
 
-    /// Waits until `lease` holds a deadline (the sleeper granted it).
-    fn granted<T: Timer>(lease: &Lease<T>) -> u64 {
+    /// Waits until `lease` holds a deadline (the sleeper granted it): the deadline, or
+    /// `None` if `sleeper` was over first.
+    fn granted<T: Timer>(lease: &Lease<T>, sleeper: &std::thread::JoinHandle<()>) -> Option<u64> {
         loop {
-            let d = lease.deadline.load(Ordering::Relaxed);
-            if d != 0 {
-                return d;
+            match lease.deadline.load(Ordering::Relaxed) {
+                0 if sleeper.is_finished() => return None,
+                0 => std::thread::yield_now(),
+                d => return Some(d),
             }
-            std::thread::yield_now();
         }
-    }
-
-    /// Waits until `lease` holds a deadline, or `sleeper` is over (then false).
-    fn granted_before_the_end_of(lease: &Lease, sleeper: &std::thread::JoinHandle<()>) -> bool {
-        while lease.deadline.load(Ordering::Relaxed) == 0 {
-            if sleeper.is_finished() {
-                return false;
-            }
-            std::thread::yield_now();
-        }
-        true
     }
 
     /// A sleep with no lease lasts until its deadline, and one already ended or stopped
@@ -376,7 +366,7 @@ mod tests {
             let (h, l) = (h.clone(), lease.clone());
             std::thread::spawn(move || h.sleep(deadline, Some(&l), || true, || false))
         };
-        assert_eq!(granted(&lease), deadline);
+        assert_eq!(granted(&lease, &sleeper), Some(deadline));
         lease.poll(deadline - HANDOFF_NS / 2);
         assert_eq!(
             lease.deadline.load(Ordering::Relaxed),
@@ -427,7 +417,7 @@ mod tests {
             let (h, l) = (h.clone(), lease.clone());
             std::thread::spawn(move || h.sleep(u64::MAX / 2, Some(&l), || true, || false))
         };
-        granted(&lease);
+        granted(&lease, &sleeper).expect("the sleeper grants the lease");
         h.end();
         lease.push(now_ns());
         assert_eq!(
@@ -460,7 +450,7 @@ mod tests {
             };
             // The sleep's own deadline is a millisecond away (so that the polls push): a
             // round in which this thread missed the whole lease shows nothing; the next.
-            if !granted_before_the_end_of(&lease, &sleeper) {
+            if granted(&lease, &sleeper).is_none() {
                 sleeper.join().unwrap();
                 continue;
             }
