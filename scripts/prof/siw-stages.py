@@ -25,8 +25,9 @@ copy's own `write`s are traced while it reads):
 
 The requester is the process with the most `write`s to one descriptor (its doorbell).
 Columns, medians in usec from the doorbell's entry: `exit` the doorbell's return, `wake`
-the transmit thread's wake-up, `run` its start, `done` its switch-out after that, `total`
-the whole iteration; `preempted` how often per iteration the requester was switched out.
+the transmit thread's wake-up, `run` its start, `done` its switch-out after that (which,
+when the requester runs on the other CPU, can come after the next doorbell), `total` the
+whole iteration; `preempted` how often per iteration the requester was switched out.
 The first --skip iterations (warm-up, default 200) and the last 10 are left out.
 """
 import argparse
