@@ -28,76 +28,71 @@ Capture, in the soft-RDMA guest (stop tracing before copying the log):
 
     rxe-read-modes.py [--skip N] TRACE...
 
-The requester is the process with the most `write`s (its doorbells). Per log: the share of
+The requester is the process with the most `write`s to one descriptor (its doorbells). Per log: the share of
 iterations in each mode and their median length (doorbell to doorbell, usec), and the fast
 streaks: how many began (a `ksoftirqd` wake-up without need-resched), their length in ms
 and in reads. The first --skip iterations (warm-up, default 200) and the last 10 are left
-out. Stack-trace lines (a `stacktrace` trigger) are ignored.
+out.
 """
 import argparse
-import collections
-import re
 import statistics
 
-LINE = re.compile(r"^\s*(.+?)-(\d+)\s+\[(\d+)\]\s+(\S+)\s+(\d+\.\d+): (.*)$")
+from ftrace import doorbell, events, is_doorbell
 
 
-def events(path):
-    """(ts, comm, pid, cpu, flags, kind, text) for each event line of an ftrace log."""
-    out = []
-    with open(path, errors="replace") as f:
-        for line in f:
-            m = LINE.match(line)
-            if not m:
-                continue
-            comm, pid, cpu, flags, ts, msg = m.groups()
-            if msg.startswith("sys_write("):
-                kind = "door"
-            elif msg.startswith("sched_wakeup:") and "comm=ksoftirqd" in msg:
-                kind = "wake"
-            elif msg.startswith("sched_switch:"):
-                kind = "switch"
-            else:
-                continue
-            out.append((float(ts), comm, int(pid), int(cpu), flags, kind, msg))
-    return out
+def is_ksoftirqd_in(e, cpu=None):
+    """Whether `e` switches `ksoftirqd` in (on `cpu`, if given)."""
+    return (e.text.startswith("sched_switch:") and "next_comm=ksoftirqd" in e.text
+            and (cpu is None or e.cpu == cpu))
+
+
+def analyse(path, skip):
+    """The requester's (pid, fd), its iterations' lengths in usec by mode ("slow": ksoftirqd
+    switched in during the iteration, "fast": not), the ksoftirqd wake-ups in the measured
+    span, and the fast streaks as (ms, reads); None if the log has no doorbell."""
+    evs = list(events(path))
+    found = doorbell(evs)
+    if found is None:
+        return None
+    req, fd = found
+    doors = [i for i, e in enumerate(evs) if is_doorbell(e, req, fd)]
+    doors = doors[skip:-9]
+    modes = {"slow": [], "fast": []}
+    for a, b in zip(doors, doors[1:]):
+        slow = any(is_ksoftirqd_in(e) for e in evs[a:b])
+        modes["slow" if slow else "fast"].append(evs[b].us - evs[a].us)
+    if not doors:
+        return found, modes, 0, []
+    first, last = evs[doors[0]].us, evs[doors[-1]].us
+    wakes = [i for i, e in enumerate(evs) if first <= e.us <= last
+             and e.text.startswith("sched_wakeup:") and "comm=ksoftirqd" in e.text]
+    # A fast streak: from a wake-up that did not set need-resched (the flags' second
+    # character, 'N' when set) to ksoftirqd's next switch-in on that CPU.
+    streaks, after = [], -1
+    for i in wakes:
+        if i <= after or evs[i].flags[1:2] == "N":
+            continue
+        j, reads = i + 1, 0
+        while j < len(evs) and not is_ksoftirqd_in(evs[j], evs[i].cpu):
+            reads += is_doorbell(evs[j], req, fd)
+            j += 1
+        end = evs[j].us if j < len(evs) else evs[i].us
+        streaks.append(((end - evs[i].us) / 1e3, reads))
+        after = j
+    return found, modes, len(wakes), streaks
 
 
 def report(path, skip):
-    ev = events(path)
-    writes = collections.Counter(e[2] for e in ev if e[5] == "door")
-    if not writes:
+    result = analyse(path, skip)
+    if result is None:
         print(f"{path}: no write() calls traced")
         return
-    req = writes.most_common(1)[0][0]
-    doors = [i for i, e in enumerate(ev) if e[5] == "door" and e[2] == req]
-    modes = {"slow": [], "fast": []}
-    for a, b in zip(doors[skip:-10], doors[skip + 1:-9]):
-        switched = any(e[5] == "switch" and "next_comm=ksoftirqd" in e[6] for e in ev[a:b])
-        modes["slow" if switched else "fast"].append((ev[b][0] - ev[a][0]) * 1e6)
+    (req, fd), modes, wakes, streaks = result
     n = sum(len(v) for v in modes.values())
-    print(f"== {path}: requester pid {req}, {n} iterations")
+    print(f"== {path}: requester pid {req} (doorbell fd {fd}), {n} iterations")
     for k, v in modes.items():
         if v:
             print(f"  {k}: {len(v)} ({100 * len(v) / n:.0f} %), median {statistics.median(v):.1f} usec")
-    # Fast streaks: from a wake-up that did not set need-resched (flags' second
-    # character 'N') to ksoftirqd's next switch-in on that CPU.
-    first, last = ev[doors[skip]][0], ev[doors[-10]][0]
-    streaks = []
-    i = 0
-    while i < len(ev):
-        e = ev[i]
-        if e[5] == "wake" and first <= e[0] <= last and e[4][1:2] != "N":
-            j, reads = i + 1, 0
-            while j < len(ev) and not (ev[j][5] == "switch" and ev[j][3] == e[3]
-                                       and "next_comm=ksoftirqd" in ev[j][6]):
-                reads += ev[j][5] == "door" and ev[j][2] == req
-                j += 1
-            end = ev[j][0] if j < len(ev) else e[0]
-            streaks.append(((end - e[0]) * 1e3, reads))
-            i = j
-        i += 1
-    wakes = sum(1 for e in ev if e[5] == "wake" and first <= e[0] <= last)
     print(f"  ksoftirqd wake-ups {wakes}, of them not preempting (a fast streak begins) {len(streaks)}")
     if streaks:
         ms = ", ".join(f"{t:.1f} ms/{r}" for t, r in streaks)

@@ -35,34 +35,20 @@ import collections
 import re
 import statistics
 
-LINE = re.compile(r"^\s*(.+?)-(\d+)\s+\[(\d+)\]\s+\S+\s+(\d+\.\d+): (.*)$")
-NEXT = re.compile(r"next_comm=(.*?) next_pid=(\d+)")
-PREV = re.compile(r"prev_comm=(.*?) prev_pid=(\d+)")
-
-
-def events(path):
-    """(usec, cpu, pid, text) of every event line."""
-    with open(path) as f:
-        for line in f:
-            m = LINE.match(line)
-            if m:
-                _, pid, cpu, ts, rest = m.groups()
-                yield float(ts) * 1e6, int(cpu), int(pid), rest
+from ftrace import NEXT, PREV, doorbell, events, is_doorbell
 
 
 def iterations(path):
     """The requester's iterations, each a dict of stage times relative to its doorbell."""
     evs = list(events(path))
-    writers = collections.Counter(
-        (pid, re.search(r"fd: (\w+)", t).group(1))
-        for _, _, pid, t in evs
-        if t.startswith("sys_write(fd:")
-    )
-    (req, fd), _ = writers.most_common(1)[0]
-    doorbell = f"sys_write(fd: {fd},"
+    found = doorbell(evs)
+    if found is None:
+        return None, None, []
+    req, fd = found
     its, cur = [], None
-    for ts, cpu, pid, t in evs:
-        if pid == req and t.startswith(doorbell):
+    for e in evs:
+        ts, cpu, pid, t = e.us, e.cpu, e.pid, e.text
+        if is_doorbell(e, req, fd):
             if cur:
                 cur["total"] = ts - cur["t0"]
                 its.append(cur)

@@ -1,0 +1,121 @@
+"""Tests of the ftrace readers in this folder, on small made-up logs:
+`python3 -m unittest discover -s scripts/prof` (scripts/test runs it)."""
+import importlib.util
+import os
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name.replace("-", "_"), os.path.join(HERE, name))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def line(comm, pid, cpu, flags, us, text):
+    return f"{comm:>16}-{pid:<7} [{cpu:03d}] {flags} {us / 1e6:12.6f}: {text}\n"
+
+
+def switch(cpu, us, prev, prev_pid, nxt, nxt_pid, state="R"):
+    return line(prev, prev_pid, cpu, "d..2.", us,
+                f"sched_switch: prev_comm={prev} prev_pid={prev_pid} prev_prio=120 "
+                f"prev_state={state} ==> next_comm={nxt} next_pid={nxt_pid} next_prio=120")
+
+
+class Log:
+    """A made-up trace, written to a temporary file."""
+
+    def __init__(self):
+        self.lines = ["# tracer: nop\n"]
+
+    def add(self, text):
+        self.lines.append(text)
+
+    def write(self):
+        f = tempfile.NamedTemporaryFile("w", suffix=".trace", delete=False)
+        f.writelines(self.lines)
+        f.close()
+        self.path = f.name
+        return f.name
+
+
+REQ, KSI = 357, 21
+
+
+def rxe_log(modes):
+    """A requester on CPU 1 doing one read per entry of `modes`: "slow" (the wake-up
+    preempts; ksoftirqd switched in and out), "start" (a wake-up without need-resched:
+    a fast streak begins), "fast" (no wake-up: ksoftirqd still runnable), "end" (the
+    tick lets ksoftirqd run: the streak ends, this read is slow). 100 usec per read,
+    with a write to stdout between (not a doorbell)."""
+    log, t = Log(), 1_000_000
+    for m in modes:
+        log.add(line("app", REQ, 1, "...1.", t, "sys_write(fd: 6, buf: 7ffe, count: 20)"))
+        log.add(line("app", REQ, 1, "d....", t + 5, "softirq_raise: vec=6 [action=TASKLET]"))
+        log.add(line("app", REQ, 1, "d....", t + 6, "<stack trace>"))
+        if m == "slow":
+            log.add(line("app", REQ, 1, "dN.3.", t + 7, f"sched_wakeup: comm=ksoftirqd/1 pid={KSI} prio=120 target_cpu=001"))
+        elif m == "start":
+            log.add(line("app", REQ, 1, "d..3.", t + 7, f"sched_wakeup: comm=ksoftirqd/1 pid={KSI} prio=120 target_cpu=001"))
+        log.add(line("app", REQ, 1, "...1.", t + 20, "sys_write -> 0x20"))
+        if m in ("slow", "end"):
+            log.add(switch(1, t + 25, "app", REQ, "ksoftirqd/1", KSI))
+            log.add(switch(1, t + 40, "ksoftirqd/1", KSI, "app", REQ, "S"))
+        log.add(line("app", REQ, 1, "...1.", t + 50, "sys_write(fd: 1, buf: 55, count: 1)"))
+        t += 100 if m in ("slow", "end") else 50
+    return log.write()
+
+
+class RxeReadModes(unittest.TestCase):
+    def setUp(self):
+        self.mod = load("rxe-read-modes.py")
+
+    def test_modes_and_streaks(self):
+        modes = ["slow"] * 5 + ["start"] + ["fast"] * 4 + ["end"] + ["slow"] * 3 + ["slow"] * 9
+        (req, fd), got, wakes, streaks = self.mod.analyse(rxe_log(modes), skip=0)
+        self.assertEqual((req, fd), (REQ, "6"))
+        # 23 doorbells, the last 9 dropped: iterations between doorbells 0..13 = 13.
+        self.assertEqual(len(got["fast"]), 5)  # the streak's start and its 4 fast reads
+        self.assertEqual(len(got["slow"]), 8)
+        self.assertEqual([round(x, 3) for x in got["fast"]], [50.0] * 5)
+        self.assertEqual([round(x, 3) for x in got["slow"]], [100.0] * 8)
+        self.assertEqual(len(streaks), 1)
+        ms, reads = streaks[0]
+        self.assertEqual(reads, 5)  # the 4 fast doorbells and the one the tick ends
+        self.assertAlmostEqual(ms, (5 * 50 + 25 - 7) / 1e3)
+        # 5 slow, the start, and the slow reads of doorbells 11 and 12 (13's wake-up
+        # comes after the last doorbell kept; the fast reads and the end wake nothing).
+        self.assertEqual(wakes, 8)
+
+    def test_a_log_without_doorbells(self):
+        log = Log()
+        log.add(switch(0, 10, "a", 1, "b", 2))
+        self.assertIsNone(self.mod.analyse(log.write(), skip=0))
+
+
+class SiwStages(unittest.TestCase):
+    def test_stages_of_one_read(self):
+        mod = load("siw-stages.py")
+        log, t = Log(), 2_000_000
+        for _ in range(3):
+            log.add(line("app", REQ, 0, "...1.", t, "sys_write(fd: 6, buf: 7ffe, count: 20)"))
+            log.add(line("app", REQ, 0, "d..3.", t + 30, "sched_wakeup: comm=siw_tx/0 pid=99 prio=120 target_cpu=000"))
+            log.add(line("app", REQ, 0, "...1.", t + 40, "sys_write -> 0x20"))
+            log.add(switch(0, t + 50, "app", REQ, "siw_tx/0", 99))
+            log.add(switch(0, t + 70, "siw_tx/0", 99, "app", REQ, "S"))
+            t += 100
+        req, fd, its = mod.iterations(log.write())
+        self.assertEqual((req, fd), (REQ, "6"))
+        self.assertEqual(len(its), 2)
+        first = its[0]
+        for key, want in (("exit", 40), ("wake", 30), ("run", 50), ("done", 70), ("total", 100)):
+            self.assertAlmostEqual(first[key], want, places=3, msg=key)
+        self.assertEqual((first["cpu"], first["tx_cpu"], first["preempted"]), (0, 0, 1))
+        self.assertEqual(first["displaced"], "app")
+
+
+if __name__ == "__main__":
+    unittest.main()
