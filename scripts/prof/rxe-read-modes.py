@@ -28,11 +28,11 @@ Capture, in the soft-RDMA guest (stop tracing before copying the log):
 
     rxe-read-modes.py [--skip N] TRACE...
 
-The requester is the process with the most `write`s to one descriptor (its doorbells). Per log: the share of
-iterations in each mode and their median length (doorbell to doorbell, usec), and the fast
-streaks: how many began (a `ksoftirqd` wake-up without need-resched), their length in ms
-and in reads. The first --skip iterations (warm-up, default 200) and the last 10 are left
-out.
+The requester is the process with the most `write`s to one descriptor (its doorbells).
+Per log: the share of iterations in each mode and their median length (doorbell to
+doorbell, usec), and the fast streaks: how many began (a `ksoftirqd` wake-up without
+need-resched), their length in ms and in reads. The first --skip iterations (warm-up,
+default 200) and the last 10 are left out.
 """
 import argparse
 import statistics

@@ -2,10 +2,16 @@
 `python3 -m unittest discover -s scripts/prof` (scripts/test runs it)."""
 import importlib.util
 import os
+import shutil
 import tempfile
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+LOGS = tempfile.mkdtemp(prefix="test_prof.")
+
+
+def tearDownModule():
+    shutil.rmtree(LOGS, ignore_errors=True)
 
 
 def load(name):
@@ -35,11 +41,11 @@ class Log:
         self.lines.append(text)
 
     def write(self):
-        f = tempfile.NamedTemporaryFile("w", suffix=".trace", delete=False)
-        f.writelines(self.lines)
-        f.close()
-        self.path = f.name
-        return f.name
+        """The log's path."""
+        fd, path = tempfile.mkstemp(suffix=".trace", dir=LOGS)
+        with os.fdopen(fd, "w") as f:
+            f.writelines(self.lines)
+        return path
 
 
 REQ, KSI = 357, 21
@@ -49,8 +55,8 @@ def rxe_log(modes):
     """A requester on CPU 1 doing one read per entry of `modes`: "slow" (the wake-up
     preempts; ksoftirqd switched in and out), "start" (a wake-up without need-resched:
     a fast streak begins), "fast" (no wake-up: ksoftirqd still runnable), "end" (the
-    tick lets ksoftirqd run: the streak ends, this read is slow). 100 usec per read,
-    with a write to stdout between (not a doorbell)."""
+    tick lets ksoftirqd run: the streak ends, this read is slow). A slow read takes 100
+    usec, a fast one 50; each has a write to stdout too (not a doorbell)."""
     log, t = Log(), 1_000_000
     for m in modes:
         log.add(line("app", REQ, 1, "...1.", t, "sys_write(fd: 6, buf: 7ffe, count: 20)"))
@@ -74,7 +80,7 @@ class RxeReadModes(unittest.TestCase):
         self.mod = load("rxe-read-modes.py")
 
     def test_modes_and_streaks(self):
-        modes = ["slow"] * 5 + ["start"] + ["fast"] * 4 + ["end"] + ["slow"] * 3 + ["slow"] * 9
+        modes = ["slow"] * 5 + ["start"] + ["fast"] * 4 + ["end"] + ["slow"] * 12
         (req, fd), got, wakes, streaks = self.mod.analyse(rxe_log(modes), skip=0)
         self.assertEqual((req, fd), (REQ, "6"))
         # 23 doorbells, the last 9 dropped: iterations between doorbells 0..13 = 13.
