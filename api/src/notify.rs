@@ -93,6 +93,12 @@ impl Notifier {
     /// The descriptor, readable while the level is raised; created on first use (the
     /// only failure is running out of descriptors).
     pub fn fd(&self) -> Result<BorrowedFd<'_>> {
+        // Looked at (and made) under the level's lock, as `raise` and `lower_unless` look
+        // at it: the pipe reaches other threads through that lock, which valgrind's
+        // helgrind sees, rather than through the `OnceLock`'s `Once` alone, which it does
+        // not (a thread reading a pipe another made, with nothing else between them,
+        // would look like a race with its creation).
+        let mut l = self.level();
         if self.pipe.get().is_none() {
             let pipe = io::pipe().map_err(|e| {
                 let e = Error::from(e);
@@ -102,8 +108,6 @@ impl Notifier {
                     None => Error::new(e.kind(), msg),
                 }
             })?;
-            let mut l = self.level();
-            // Another thread may have won the race: its pipe stays, ours closes.
             let _ = self.pipe.set(pipe);
             l.sync(self.pipe.get());
         }

@@ -277,10 +277,15 @@ pub(crate) struct PollSet<P: Poller = Poll> {
     /// to unpark then (set by the thread itself; a completion queue's set has none).
     napping: AtomicUsize,
     nap_thread: Mutex<Option<P::Thread>>,
-    /// The domain's progress thread's hand-off timer (set by the thread when it starts;
-    /// see `handoff`), and, for a completion queue's set, its side of a lease of one
-    /// (its polls push the timer back).
-    handoff: std::sync::OnceLock<Arc<Handoff<P::Timer>>>,
+    /// The domain's progress thread's hand-off timer (see `handoff`; `auto` mode's set
+    /// only, and none when `timerfd_create` failed), and, for a completion queue's set,
+    /// its side of a lease of one (its polls push the timer back). The timer is made
+    /// with the set, before the set is shared, rather than by the thread once it runs:
+    /// a value published later through a `OnceLock` is ordered by its `Once`, which
+    /// valgrind's helgrind does not see, so an application thread that read it before
+    /// any other synchronisation with the progress thread was reported as racing with
+    /// its initialisation (a CI failure of the atomic cases' helgrind job).
+    handoff: Option<Arc<Handoff<P::Timer>>>,
     lease: Arc<Lease<P::Timer>>,
 }
 
@@ -336,8 +341,16 @@ impl<P: Poller> PollSet<P> {
             hello_due: AtomicU64::new(u64::MAX),
             napping: AtomicUsize::new(0),
             nap_thread: Mutex::new(None),
-            handoff: std::sync::OnceLock::new(),
+            handoff: None,
             lease: Arc::default(),
+        }
+    }
+
+    /// This set with the progress thread's hand-off timer `h` (before it is shared).
+    pub fn with_handoff(self, h: Arc<Handoff<P::Timer>>) -> PollSet<P> {
+        PollSet {
+            handoff: Some(h),
+            ..self
         }
     }
 
@@ -461,7 +474,7 @@ impl<P: Poller> PollSet<P> {
     /// [`end_nap`](Self::end_nap) after the caller's own `SeqCst` fence.
     fn end_sleep_fenced(&self) {
         self.end_nap_fenced();
-        if let Some(h) = self.handoff.get() {
+        if let Some(h) = &self.handoff {
             h.end();
         }
     }
@@ -816,13 +829,6 @@ impl PollSet {
     /// `stop`, progresses every ready connection the application does not drive itself.
     fn progress_thread(&self, stop: &AtomicBool) {
         self.nap_here();
-        match Handoff::new() {
-            Ok(h) => {
-                let _ = self.handoff.set(h);
-            }
-            // The thread then sleeps `HANDOFF` at a time, as it did before the timer.
-            Err(e) => tracing::warn!("no hand-off timer (timerfd_create: {e})"),
-        }
         // Connections found ready while their application drove them; checked again every
         // HANDOFF until the application stops (then progressed here) or they are gone.
         let mut skipped: TokenMap<Weak<Conn>> = TokenMap::default();
@@ -903,7 +909,7 @@ impl PollSet {
             .min()
             .unwrap_or(now.saturating_add(HANDOFF_NS))
             .min(self.hello_due.load(Ordering::SeqCst));
-        let Some(h) = self.handoff.get() else {
+        let Some(h) = &self.handoff else {
             std::thread::sleep(Duration::from_nanos(until.saturating_sub(now)));
             return;
         };
@@ -960,7 +966,18 @@ impl Engine {
         Ok(Engine {
             mode,
             ack_hold_ns: u64::try_from(hold.as_nanos()).unwrap_or(u64::MAX),
-            set: Arc::new(PollSet::new()?),
+            set: Arc::new(match mode {
+                ProgressMode::Auto => match Handoff::new() {
+                    Ok(h) => PollSet::new()?.with_handoff(h),
+                    // The thread then sleeps `HANDOFF` at a time, as it did before the
+                    // timer.
+                    Err(e) => {
+                        tracing::warn!("no hand-off timer (timerfd_create: {e})");
+                        PollSet::new()?
+                    }
+                },
+                ProgressMode::Manual => PollSet::new()?,
+            }),
             stop: Arc::new(AtomicBool::new(false)),
             thread: Mutex::new(None),
         })

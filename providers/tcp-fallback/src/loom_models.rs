@@ -376,8 +376,17 @@ fn loom_progress_three_threads() {
 /// A domain's poll set watching one connection (a stand-in entry: the nap's protocol only
 /// counts connections), and a completion queue of that connection.
 fn domain_and_cq() -> (Arc<PollSet<ModelPoller>>, Arc<Cq>) {
+    domain_and_cq_with(None)
+}
+
+/// [`domain_and_cq`], the domain's set with the progress thread's hand-off timer `h`.
+fn domain_and_cq_with(h: Option<Arc<Handoff<ModelTimer>>>) -> (Arc<PollSet<ModelPoller>>, Arc<Cq>) {
     let event = Arc::new(Event::default());
     let domain = PollSet::with(ModelPoller(event.clone()), (), event);
+    let domain = match h {
+        Some(h) => domain.with_handoff(h),
+        None => domain,
+    };
     domain
         .conns
         .lock()
@@ -488,9 +497,8 @@ const FAR: u64 = u64::MAX / 2;
 /// and `end` (what `wake` and `watch` call) ends the sleep. Returns the domain, the queue
 /// and the domain's hand-off.
 fn handoff_domain() -> (Arc<PollSet<ModelPoller>>, Arc<Cq>, Arc<Handoff<ModelTimer>>) {
-    let (domain, cq) = domain_and_cq();
     let h = Handoff::with(ModelTimer::default());
-    domain.handoff.set(h.clone()).unwrap();
+    let (domain, cq) = domain_and_cq_with(Some(h.clone()));
     (domain, cq, h)
 }
 
