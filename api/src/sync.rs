@@ -18,6 +18,15 @@
 //! the noise. The socket annotations ([`stream_sending`], [`stream_received`]) cost one
 //! client request per system call outside valgrind; only under valgrind do they look up
 //! the connection's addresses.
+//!
+//! What has no annotation here: a value published through `OnceLock` or `LazyLock` (std's
+//! `Once`, also invisible to helgrind) is ordered for the threads that read it, but
+//! helgrind reports their first read as a race with its initialisation whenever nothing
+//! else it sees lies between the two threads. Such a value cannot be annotated from the
+//! outside (the read happens inside `get`, before any annotation after it), so code that
+//! threads share makes such values before it shares them or reads them under one of the
+//! locks here (the tcp engine's hand-off timer and `Notifier`'s pipe: a CI failure of the
+//! helgrind job, 2026-12-02).
 
 use std::fmt;
 use std::ops::{Deref, DerefMut};
