@@ -346,12 +346,10 @@ impl<P: Poller> PollSet<P> {
         }
     }
 
-    /// This set with the progress thread's hand-off timer `h` (before it is shared).
-    pub fn with_handoff(self, h: Arc<Handoff<P::Timer>>) -> PollSet<P> {
-        PollSet {
-            handoff: Some(h),
-            ..self
-        }
+    /// This set with the progress thread's hand-off timer `h`, if any (before it is
+    /// shared).
+    pub fn with_handoff(self, h: Option<Arc<Handoff<P::Timer>>>) -> PollSet<P> {
+        PollSet { handoff: h, ..self }
     }
 
     /// Has `conn`, which wrote its hello mark at `start` ([`now_ns`]), repeat it at the
@@ -959,6 +957,13 @@ impl Engine {
     /// in `auto` mode, nothing in `manual` mode, where no thread sends an ack the
     /// application stopped polling for).
     pub fn new(mode: ProgressMode, ack_hold: Option<Duration>) -> io::Result<Engine> {
+        // Without a timer the thread sleeps `HANDOFF` at a time, as it did before it.
+        let handoff = match mode {
+            ProgressMode::Auto => Handoff::new()
+                .inspect_err(|e| tracing::warn!("no hand-off timer (timerfd_create: {e})"))
+                .ok(),
+            ProgressMode::Manual => None,
+        };
         let hold = ack_hold.unwrap_or(match mode {
             ProgressMode::Auto => ACK_HOLD,
             ProgressMode::Manual => Duration::ZERO,
@@ -966,18 +971,7 @@ impl Engine {
         Ok(Engine {
             mode,
             ack_hold_ns: u64::try_from(hold.as_nanos()).unwrap_or(u64::MAX),
-            set: Arc::new(match mode {
-                ProgressMode::Auto => match Handoff::new() {
-                    Ok(h) => PollSet::new()?.with_handoff(h),
-                    // The thread then sleeps `HANDOFF` at a time, as it did before the
-                    // timer.
-                    Err(e) => {
-                        tracing::warn!("no hand-off timer (timerfd_create: {e})");
-                        PollSet::new()?
-                    }
-                },
-                ProgressMode::Manual => PollSet::new()?,
-            }),
+            set: Arc::new(PollSet::new()?.with_handoff(handoff)),
             stop: Arc::new(AtomicBool::new(false)),
             thread: Mutex::new(None),
         })
@@ -1015,5 +1009,31 @@ impl Drop for Engine {
                 let _ = t.join();
             }
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// The hand-off timer exists from the domain's opening, before any thread can read it
+    /// (a value the progress thread published later was a helgrind report: see the
+    /// field's docs), and only in `auto` mode, whose thread sleeps on it.
+    #[test]
+    fn the_hand_off_timer_is_made_with_the_domains_set_in_auto_mode_only() {
+        let auto = Engine::new(ProgressMode::Auto, None).expect("engine");
+        assert!(
+            auto.thread.lock().unwrap().is_none(),
+            "no thread before an endpoint"
+        );
+        assert!(
+            auto.set.handoff.is_some(),
+            "auto mode: the timer before the thread"
+        );
+        let manual = Engine::new(ProgressMode::Manual, None).expect("engine");
+        assert!(
+            manual.set.handoff.is_none(),
+            "manual mode: no thread, no timer"
+        );
     }
 }

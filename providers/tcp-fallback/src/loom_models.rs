@@ -382,11 +382,7 @@ fn domain_and_cq() -> (Arc<PollSet<ModelPoller>>, Arc<Cq>) {
 /// [`domain_and_cq`], the domain's set with the progress thread's hand-off timer `h`.
 fn domain_and_cq_with(h: Option<Arc<Handoff<ModelTimer>>>) -> (Arc<PollSet<ModelPoller>>, Arc<Cq>) {
     let event = Arc::new(Event::default());
-    let domain = PollSet::with(ModelPoller(event.clone()), (), event);
-    let domain = match h {
-        Some(h) => domain.with_handoff(h),
-        None => domain,
-    };
+    let domain = PollSet::with(ModelPoller(event.clone()), (), event).with_handoff(h);
     domain
         .conns
         .lock()
