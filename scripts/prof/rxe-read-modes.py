@@ -23,7 +23,7 @@ Capture, in the soft-RDMA guest (stop tracing before copying the log):
     T=/sys/kernel/tracing
     echo 'comm ~ "ksoftirqd*"' > $T/events/sched/sched_wakeup/filter
     for e in sched/sched_wakeup sched/sched_switch syscalls/sys_enter_write \\
-             syscalls/sys_exit_write; do echo 1 > $T/events/$e/enable; done
+             syscalls/sys_exit_write irq/softirq_raise; do echo 1 > $T/events/$e/enable; done
     echo > $T/trace; <run the ping-pong>; echo 0 > $T/tracing_on; cp $T/trace run.trace
 
     rxe-read-modes.py [--skip N] TRACE...
@@ -33,6 +33,13 @@ Per log: the share of iterations in each mode and their median length (doorbell 
 doorbell, usec), and the fast streaks: how many began (a `ksoftirqd` wake-up without
 need-resched), their length in ms and in reads. The first --skip iterations (warm-up,
 default 200) and the last 10 are left out.
+
+With `irq/softirq_raise` enabled too, each CPU's iterations without a switch are split in
+three: the doorbell's entry to the tasklet's raise (the requester's kernel work), the
+raise to the system call's return (the responder's tasklet and the completion), and the
+return to the next doorbell (user space). On QEMU's TCG all three move together, by
+about 1.8x, between runs and between vCPUs of one run, for any program (BENCHMARKS.md,
+fiftieth session).
 """
 import argparse
 import statistics
@@ -82,6 +89,32 @@ def analyse(path, skip):
     return found, modes, len(wakes), streaks
 
 
+def stages(path, skip):
+    """The iterations without a `ksoftirqd` switch, split at the tasklet's raise and the
+    doorbell's return, by the CPU they ran on: {cpu: [(doorbell to raise, raise to the
+    system call's exit, exit to the next doorbell), ...]} in usec. An iteration that
+    changed CPU, or has other than one raise and one exit of the requester, is left out.
+    Needs `irq/softirq_raise` in the capture; None if the log has no doorbell."""
+    evs = list(events(path))
+    found = doorbell(evs)
+    if found is None:
+        return None
+    req, fd = found
+    doors = [i for i, e in enumerate(evs) if is_doorbell(e, req, fd)][skip:-9]
+    by_cpu = {}
+    for a, b in zip(doors, doors[1:]):
+        if evs[a].cpu != evs[b].cpu or any(is_ksoftirqd_in(e) for e in evs[a:b]):
+            continue
+        mine = [e for e in evs[a + 1:b] if e.pid == req]
+        raised = [e for e in mine if e.text.startswith("softirq_raise:")]
+        exits = [e for e in mine if e.text.startswith("sys_write ->")]
+        if len(raised) != 1 or len(exits) != 1:
+            continue
+        r, x = raised[0].us, exits[0].us
+        by_cpu.setdefault(evs[a].cpu, []).append((r - evs[a].us, x - r, evs[b].us - x))
+    return by_cpu
+
+
 def report(path, skip):
     result = analyse(path, skip)
     if result is None:
@@ -97,6 +130,10 @@ def report(path, skip):
     if streaks:
         ms = ", ".join(f"{t:.1f} ms/{r}" for t, r in streaks)
         print(f"  streaks (length / reads): {ms}")
+    for cpu, spans in sorted(stages(path, skip).items()):
+        med = [statistics.median(s[k] for s in spans) for k in range(3)]
+        print(f"  without a switch, on CPU {cpu}: {len(spans)} iterations; medians: doorbell to "
+              f"raise {med[0]:.1f}, raise to return {med[1]:.1f}, user space {med[2]:.1f} usec")
 
 
 def main():

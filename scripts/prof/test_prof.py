@@ -101,6 +101,17 @@ class RxeReadModes(unittest.TestCase):
         log.add(switch(0, 10, "a", 1, "b", 2))
         self.assertIsNone(self.mod.analyse(log.write(), skip=0))
 
+    def test_stages_of_the_iterations_without_a_switch(self):
+        modes = ["slow"] * 3 + ["start"] + ["fast"] * 3 + ["end"] + ["slow"] * 10
+        got = self.mod.stages(rxe_log(modes), skip=0)
+        # 18 doorbells, the last 9 dropped: 8 iterations, of which the streak's start and
+        # its 3 fast reads ran without a switch (the slow ones and the tick's end did not).
+        self.assertEqual(list(got), [1])
+        self.assertEqual([tuple(round(x, 3) for x in s) for s in got[1]], [(5.0, 15.0, 30.0)] * 4)
+        log = Log()
+        log.add(switch(0, 10, "a", 1, "b", 2))
+        self.assertIsNone(self.mod.stages(log.write(), skip=0))
+
 
 class SiwStages(unittest.TestCase):
     def test_stages_of_one_read(self):
