@@ -53,17 +53,27 @@ def is_ksoftirqd_in(e, cpu=None):
             and (cpu is None or e.cpu == cpu))
 
 
-def analyse(path, skip):
-    """The requester's (pid, fd), its iterations' lengths in usec by mode ("slow": ksoftirqd
-    switched in during the iteration, "fast": not), the ksoftirqd wake-ups in the measured
-    span, and the fast streaks as (ms, reads); None if the log has no doorbell."""
+def doorbells(path, skip):
+    """The log's events, the requester's (pid, fd) and the indices of its measured
+    doorbells (the first `skip` and the last 9 left out); None if it has no doorbell."""
     evs = list(events(path))
     found = doorbell(evs)
     if found is None:
         return None
     req, fd = found
     doors = [i for i, e in enumerate(evs) if is_doorbell(e, req, fd)]
-    doors = doors[skip:-9]
+    return evs, found, doors[skip:-9]
+
+
+def analyse(path, skip):
+    """The requester's (pid, fd), its iterations' lengths in usec by mode ("slow": ksoftirqd
+    switched in during the iteration, "fast": not), the ksoftirqd wake-ups in the measured
+    span, and the fast streaks as (ms, reads); None if the log has no doorbell."""
+    measured = doorbells(path, skip)
+    if measured is None:
+        return None
+    evs, found, doors = measured
+    req, fd = found
     modes = {"slow": [], "fast": []}
     for a, b in zip(doors, doors[1:]):
         slow = any(is_ksoftirqd_in(e) for e in evs[a:b])
@@ -95,12 +105,10 @@ def stages(path, skip):
     system call's exit, exit to the next doorbell), ...]} in usec. An iteration that
     changed CPU, or has other than one raise and one exit of the requester, is left out.
     Needs `irq/softirq_raise` in the capture; None if the log has no doorbell."""
-    evs = list(events(path))
-    found = doorbell(evs)
-    if found is None:
+    measured = doorbells(path, skip)
+    if measured is None:
         return None
-    req, fd = found
-    doors = [i for i, e in enumerate(evs) if is_doorbell(e, req, fd)][skip:-9]
+    evs, (req, _), doors = measured
     by_cpu = {}
     for a, b in zip(doors, doors[1:]):
         if evs[a].cpu != evs[b].cpu or any(is_ksoftirqd_in(e) for e in evs[a:b]):
