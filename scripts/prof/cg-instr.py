@@ -10,10 +10,15 @@ binary, not the libraries it calls).
 
     cg-instr.py BEFORE.out AFTER.out --iters N2-N1 --binary PATH [--top K]
     cg-instr.py BEFORE.out AFTER.out --iters N2-N1 --binary PATH --annotate 'crate::Type::fn'
+    cg-instr.py BEFORE.out AFTER.out --iters N2-N1 --whole
 
 The first form prints the functions that cost most per iteration. The second prints the
 named function's instructions that ran (with their source lines, from `objdump -dl`) and a
 running sum: where in a function its instructions go. Needs binutils (`nm`, `objdump`).
+The third needs neither, and works on any program, perftest's too: every object's
+instructions per iteration (the libraries' and the program's), then the functions called
+most per iteration, of every object: two programs profiled alike compare whole. Waits
+count as well as work there: a spinning program's empty polls are in both.
 
 Example (the soft-RDMA guest, the server of the 8-byte send ping-pong):
 
@@ -78,6 +83,56 @@ def costs(path, binary):
     return out
 
 
+def whole(path):
+    """Exclusive Ir per object, and calls per callee name, over the whole profile."""
+    ir, calls = collections.Counter(), collections.Counter()
+    obs, fns = {}, {}
+    ob = callee = None
+    after_calls = False
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"(c?ob|c?fn)=\((\d+)\)\s*(.*)", line)
+            if m:
+                kind, ident, name = m.groups()
+                names = obs if kind.endswith("ob") else fns
+                if name:
+                    names[ident] = name.strip()
+                if kind == "ob":
+                    ob = obs.get(ident, "?")
+                elif kind == "cfn":
+                    callee = fns.get(ident, "?")
+                continue
+            if line.startswith("calls="):
+                calls[callee] += int(line.split()[0][len("calls="):])
+                after_calls = True
+                continue
+            if line[:1] in "0123456789+-*":
+                parts = line.split()
+                if after_calls:
+                    after_calls = False
+                elif len(parts) >= 3:
+                    ir[ob] += int(parts[2])
+            elif not line.startswith(("cfi", "cfl", "cob")):
+                after_calls = False
+    if not ir:
+        sys.exit(f"cg-instr.py: {path}: no costs (was it run with --dump-instr=yes?)")
+    return ir, calls
+
+
+def print_whole(a):
+    (ir0, calls0), (ir1, calls1) = whole(a.before), whole(a.after)
+    per = {k: (ir1[k] - ir0[k]) / a.iters for k in set(ir0) | set(ir1)}
+    print(f"{sum(per.values()):9.1f}  instructions per iteration, every object")
+    for name, v in sorted(per.items(), key=lambda kv: -kv[1]):
+        if abs(v) >= a.min:
+            print(f"{v:9.1f}  {name}")
+    print("    calls per iteration, by callee")
+    cper = {k: (calls1[k] - calls0[k]) / a.iters for k in set(calls0) | set(calls1)}
+    for name, v in sorted(cper.items(), key=lambda kv: -kv[1])[:a.top]:
+        if v >= 0.01:
+            print(f"{v:9.2f}  {name}")
+
+
 def symbols(binary):
     text = subprocess.run(["nm", "-C", "-n", "--defined-only", binary],
                           capture_output=True, text=True, check=True).stdout
@@ -95,12 +150,20 @@ def main():
     ap.add_argument("after")
     ap.add_argument("--iters", type=float, required=True,
                     help="how many more iterations the second run made")
-    ap.add_argument("--binary", required=True, help="the profiled program's path")
+    ap.add_argument("--binary", help="the profiled program's path")
+    ap.add_argument("--whole", action="store_true",
+                    help="every object's instructions and the calls, per iteration")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--annotate", metavar="FUNCTION")
     ap.add_argument("--min", type=float, default=0.5,
-                    help="with --annotate: hide instructions run fewer times per iteration")
+                    help="with --annotate: hide instructions run fewer times per iteration; "
+                    "with --whole: objects that cost fewer")
     a = ap.parse_args()
+    if a.whole:
+        print_whole(a)
+        return
+    if a.binary is None:
+        ap.error("--binary is needed, except with --whole")
 
     before, after = costs(a.before, a.binary), costs(a.after, a.binary)
     per = {k: (after[k] - before[k]) / a.iters for k in set(before) | set(after)}

@@ -1,4 +1,4 @@
-"""Tests of the ftrace readers in this folder, on small made-up logs:
+"""Tests of the ftrace and callgrind readers in this folder, on small made-up logs:
 `python3 -m unittest discover -s scripts/prof` (scripts/test runs it)."""
 import importlib.util
 import os
@@ -132,6 +132,46 @@ class SiwStages(unittest.TestCase):
             self.assertAlmostEqual(first[key], want, places=3, msg=key)
         self.assertEqual((first["cpu"], first["tx_cpu"], first["preempted"]), (0, 0, 1))
         self.assertEqual(first["displaced"], "app")
+
+
+def callgrind(iters):
+    """A made-up callgrind profile of `iters` iterations: the program's loop (5
+    instructions, and a call to the library's poll per iteration), the library's poll (3
+    instructions per call, 2 calls per iteration: one from the program, one from itself),
+    and 100 instructions of start-up."""
+    return "".join([
+        "# callgrind format\nversion: 1\npositions: instr line\nevents: Ir\n",
+        "ob=(1) /bin/prog\nfl=(1) ???\nfn=(1) main\n",
+        "0x1000 0 100\n",
+        f"+4 0 {5 * iters}\n",
+        "cob=(2) /lib/libdev.so\ncfi=(1)\ncfn=(2) poll\n",
+        f"calls={iters} 0x2000 0\n",
+        f"+4 0 {6 * iters}\n",
+        "ob=(2)\nfl=(1)\nfn=(2)\n",
+        f"0x2000 0 {6 * iters}\n",
+        "cfn=(2)\n",
+        f"calls={iters} 0x2000 0\n",
+        f"+8 0 {3 * iters}\n",
+    ])
+
+
+class CgWhole(unittest.TestCase):
+    def test_every_object_and_the_calls_per_iteration(self):
+        mod = load("cg-instr.py")
+        paths = []
+        for n in (1000, 3000):
+            path = os.path.join(LOGS, f"cg.{n}.out")
+            with open(path, "w") as f:
+                f.write(callgrind(n))
+            paths.append(path)
+        ir, calls = mod.whole(paths[0])
+        # The inclusive cost of a call (its line after `calls=`) is never counted.
+        self.assertEqual(ir, {"/bin/prog": 100 + 5 * 1000, "/lib/libdev.so": 6 * 1000})
+        self.assertEqual(calls, {"poll": 2 * 1000})
+        ir2, calls2 = mod.whole(paths[1])
+        per = {k: (ir2[k] - ir[k]) / 2000 for k in ir}
+        self.assertEqual(per, {"/bin/prog": 5.0, "/lib/libdev.so": 6.0})
+        self.assertEqual((calls2["poll"] - calls["poll"]) / 2000, 2.0)
 
 
 if __name__ == "__main__":
