@@ -18,7 +18,13 @@ running sum: where in a function its instructions go. Needs binutils (`nm`, `obj
 The third needs neither, and works on any program, perftest's too: every object's
 instructions per iteration (the libraries' and the program's), then the functions called
 most per iteration, of every object: two programs profiled alike compare whole. Waits
-count as well as work there: a spinning program's empty polls are in both.
+count as well as work in the first column (a spinning program's empty polls); the second
+counts each instruction at most once per iteration, which leaves a wait's repeats out
+(and a working loop's: a copy's, a second call of the same function), the work of one
+pass through the iteration. `--exclude REGEX` leaves out functions by name (the sort of
+the samples after the run, a helper thread's loop):
+
+    cg-instr.py s2000.out s6000.out --iters 4000 --whole --exclude 'sort|rnr_main'
 
 Example (the soft-RDMA guest, the server of the 8-byte send ping-pong):
 
@@ -84,10 +90,12 @@ def costs(path, binary):
 
 
 def whole(path):
-    """Exclusive Ir per object, and calls per callee name, over the whole profile."""
+    """Exclusive Ir per instruction, keyed (object, function, address), and calls per
+    callee name, over the whole profile."""
     ir, calls = collections.Counter(), collections.Counter()
     obs, fns = {}, {}
-    ob = callee = None
+    ob = fn = callee = None
+    addr = 0
     after_calls = False
     with open(path) as f:
         for line in f:
@@ -99,8 +107,10 @@ def whole(path):
                     names[ident] = name.strip()
                 if kind == "ob":
                     ob = obs.get(ident, "?")
-                elif kind == "cfn":
-                    callee = fns.get(ident, "?")
+                elif kind == "fn":
+                    fn = fns.get(ident, "?")
+                else:
+                    callee = fns.get(ident, "?") if kind == "cfn" else callee
                 continue
             if line.startswith("calls="):
                 calls[callee] += int(line.split()[0][len("calls="):])
@@ -108,10 +118,17 @@ def whole(path):
                 continue
             if line[:1] in "0123456789+-*":
                 parts = line.split()
+                a = parts[0]
+                if a.startswith("0x"):
+                    addr = int(a, 16)
+                elif a[0] == "+":
+                    addr += int(a[1:])
+                elif a[0] == "-":
+                    addr -= int(a[1:])
                 if after_calls:
                     after_calls = False
                 elif len(parts) >= 3:
-                    ir[ob] += int(parts[2])
+                    ir[(ob, fn, addr)] += int(parts[2])
             elif not line.startswith(("cfi", "cfl", "cob")):
                 after_calls = False
     if not ir:
@@ -119,14 +136,33 @@ def whole(path):
     return ir, calls
 
 
+def whole_per_object(before, after, iters, exclude=None):
+    """Per object: instructions per iteration, and the same with each instruction
+    counted at most once per iteration (a wait's repeats, a spinning poll's, left out;
+    so are the repeats of a loop that does work, such as a copy's). Functions whose name
+    matches `exclude` are left out of both."""
+    total, capped = collections.Counter(), collections.Counter()
+    for key in set(before) | set(after):
+        ob, fn, _ = key
+        if exclude is not None and fn is not None and exclude.search(fn):
+            continue
+        v = (after[key] - before[key]) / iters
+        total[ob] += v
+        capped[ob] += min(max(v, 0.0), 1.0)
+    return total, capped
+
+
 def print_whole(a):
     (ir0, calls0), (ir1, calls1) = whole(a.before), whole(a.after)
-    per = {k: (ir1[k] - ir0[k]) / a.iters for k in set(ir0) | set(ir1)}
-    print(f"{sum(per.values()):9.1f}  instructions per iteration, every object")
-    for name, v in sorted(per.items(), key=lambda kv: -kv[1]):
+    exclude = re.compile(a.exclude) if a.exclude else None
+    total, capped = whole_per_object(ir0, ir1, a.iters, exclude)
+    print("per iteration: instructions, and each instruction at most once"
+          + (f" (functions matching {a.exclude!r} left out)" if exclude else ""))
+    print(f"{sum(total.values()):9.1f} {sum(capped.values()):9.1f}  every object")
+    for name, v in sorted(total.items(), key=lambda kv: -kv[1]):
         if abs(v) >= a.min:
-            print(f"{v:9.1f}  {name}")
-    print("    calls per iteration, by callee")
+            print(f"{v:9.1f} {capped[name]:9.1f}  {name}")
+    print("calls per iteration, by callee")
     cper = {k: (calls1[k] - calls0[k]) / a.iters for k in set(calls0) | set(calls1)}
     for name, v in sorted(cper.items(), key=lambda kv: -kv[1])[:a.top]:
         if v >= 0.01:
@@ -153,6 +189,9 @@ def main():
     ap.add_argument("--binary", help="the profiled program's path")
     ap.add_argument("--whole", action="store_true",
                     help="every object's instructions and the calls, per iteration")
+    ap.add_argument("--exclude", metavar="REGEX",
+                    help="with --whole: leave out the functions whose names match (a "
+                    "sort after the run, a helper thread's loop)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--annotate", metavar="FUNCTION")
     ap.add_argument("--min", type=float, default=0.5,

@@ -2,6 +2,7 @@
 `python3 -m unittest discover -s scripts/prof` (scripts/test runs it)."""
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 import unittest
@@ -166,13 +167,18 @@ class CgWhole(unittest.TestCase):
             paths.append(path)
         ir, calls = mod.whole(paths[0])
         # The inclusive cost of a call (its line after `calls=`) is never counted.
-        self.assertEqual(ir, {"/bin/prog": 100 + 5 * 1000, "/lib/libdev.so": 6 * 1000})
+        self.assertEqual(ir, {("/bin/prog", "main", 0x1000): 100,
+                              ("/bin/prog", "main", 0x1004): 5 * 1000,
+                              ("/lib/libdev.so", "poll", 0x2000): 6 * 1000})
         self.assertEqual(calls, {"poll": 2 * 1000})
         ir2, calls2 = mod.whole(paths[1])
-        per = {k: (ir2[k] - ir[k]) / 2000 for k in ir}
-        self.assertEqual(per, {"/bin/prog": 5.0, "/lib/libdev.so": 6.0})
+        total, capped = mod.whole_per_object(ir, ir2, 2000)
+        self.assertEqual(total, {"/bin/prog": 5.0, "/lib/libdev.so": 6.0})
+        # The poll's instruction runs twice per iteration: once, capped.
+        self.assertEqual(capped, {"/bin/prog": 1.0, "/lib/libdev.so": 1.0})
         self.assertEqual((calls2["poll"] - calls["poll"]) / 2000, 2.0)
-
+        total, _ = mod.whole_per_object(ir, ir2, 2000, re.compile("^poll$"))
+        self.assertEqual(total, {"/bin/prog": 5.0})
 
 if __name__ == "__main__":
     unittest.main()
