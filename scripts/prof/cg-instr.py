@@ -46,43 +46,9 @@ import sys
 def costs(path, binary):
     """Exclusive Ir per instruction address of the object whose path ends in `binary`."""
     out = collections.Counter()
-    names = {}
-    ob = None
-    addr = 0
-    after_calls = False
-    with open(path) as f:
-        for line in f:
-            if line.startswith("positions:") and line.split()[1:3] != ["instr", "line"]:
-                sys.exit(f"cg-instr.py: {path}: positions are {line.split()[1:]}, not "
-                         "instr and line: run callgrind with --dump-instr=yes")
-            m = re.match(r"(c?ob)=\((\d+)\)\s*(.*)", line)
-            if m:
-                if m.group(3):
-                    names[m.group(2)] = m.group(3).strip()
-                if m.group(1) == "ob":
-                    ob = names.get(m.group(2), "")
-                continue
-            if line.startswith("calls="):
-                # The next cost line is the call's inclusive cost: not this object's own.
-                after_calls = True
-                continue
-            if line[:1] in "0123456789+-*":
-                parts = line.split()
-                a = parts[0]
-                if a.startswith("0x"):
-                    addr = int(a, 16)
-                elif a[0] == "+":
-                    addr += int(a[1:])
-                elif a[0] == "-":
-                    addr -= int(a[1:])
-                if after_calls:
-                    after_calls = False
-                    continue
-                # positions: instr line, then the event (Ir).
-                if len(parts) >= 3 and ob and ob.endswith(binary):
-                    out[addr] += int(parts[2])
-            elif not line.startswith(("cfn", "cfi", "cfl", "cob")):
-                after_calls = False
+    for (ob, _, addr), v in whole(path)[0].items():
+        if ob and ob.endswith(binary):
+            out[addr] += v
     if not out:
         sys.exit(f"cg-instr.py: {path}: no costs for an object ending in {binary!r} "
                  "(was it run with --dump-instr=yes?)")
@@ -99,6 +65,9 @@ def whole(path):
     after_calls = False
     with open(path) as f:
         for line in f:
+            if line.startswith("positions:") and line.split()[1:3] != ["instr", "line"]:
+                sys.exit(f"cg-instr.py: {path}: positions are {line.split()[1:]}, not "
+                         "instr and line: run callgrind with --dump-instr=yes")
             m = re.match(r"(c?ob|c?fn)=\((\d+)\)\s*(.*)", line)
             if m:
                 kind, ident, name = m.groups()
@@ -113,6 +82,7 @@ def whole(path):
                     callee = fns.get(ident, "?") if kind == "cfn" else callee
                 continue
             if line.startswith("calls="):
+                # The next cost line is the call's inclusive cost: not the caller's own.
                 calls[callee] += int(line.split()[0][len("calls="):])
                 after_calls = True
                 continue
@@ -128,6 +98,7 @@ def whole(path):
                 if after_calls:
                     after_calls = False
                 elif len(parts) >= 3:
+                    # positions: instr line, then the event (Ir).
                     ir[(ob, fn, addr)] += int(parts[2])
             elif not line.startswith(("cfi", "cfl", "cob")):
                 after_calls = False
