@@ -78,8 +78,8 @@ def whole(path):
                     ob = obs.get(ident, "?")
                 elif kind == "fn":
                     fn = fns.get(ident, "?")
-                else:
-                    callee = fns.get(ident, "?") if kind == "cfn" else callee
+                elif kind == "cfn":
+                    callee = fns.get(ident, "?")
                 continue
             if line.startswith("calls="):
                 # The next cost line is the call's inclusive cost: not the caller's own.
