@@ -3,6 +3,8 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::Path;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use crate::ffi;
 use crate::gid::{Gid, GidEntry, GidKind};
@@ -291,6 +293,51 @@ pub fn probe() -> Result<Vec<DeviceFacts>, ProbeError> {
     Ok(raw.into_iter().map(facts).collect())
 }
 
+/// How long [`probe_recent`] reuses an answer: a second, so that the probes a burst of
+/// domain opens and discoveries would make become one, while a device or port that changes
+/// is seen by the first open a second later. A probe opens every device and reads its
+/// ports, GID tables, sysfs and netlink: 21-32 ms in the soft-RDMA guest, and a process
+/// running one conformance case made 13 (the roce suite there took 116 s probing each
+/// time, 81 s with this). libfabric's verbs provider and UCX list devices once per process
+/// (at provider init, at `ucp_init`).
+pub const PROBE_FRESH: Duration = Duration::from_secs(1);
+
+/// The last probe's answer and when it was taken.
+type Probed = Option<(Instant, Result<Vec<DeviceFacts>, ProbeError>)>;
+
+static LAST_PROBE: Mutex<Probed> = Mutex::new(None);
+
+/// [`probe`], or its answer of less than [`PROBE_FRESH`] ago in this process. The lock is
+/// held through a probe, so threads that open domains at once probe once between them.
+/// What discovery and [`VerbsDomain::open`](crate::VerbsDomain::open) use; `fabric doctor`
+/// probes afresh.
+pub fn probe_recent() -> Result<Vec<DeviceFacts>, ProbeError> {
+    recent(&LAST_PROBE, Instant::now(), probe)
+}
+
+/// `slot`'s answer if it is younger than [`PROBE_FRESH`] at `now`, else `probe`'s, kept.
+fn recent(
+    slot: &Mutex<Probed>,
+    now: Instant,
+    probe: impl FnOnce() -> Result<Vec<DeviceFacts>, ProbeError>,
+) -> Result<Vec<DeviceFacts>, ProbeError> {
+    let mut last = slot.lock().unwrap_or_else(|e| e.into_inner());
+    match &*last {
+        Some((at, answer)) if now.saturating_duration_since(*at) < PROBE_FRESH => answer.clone(),
+        _ => {
+            let answer = probe();
+            *last = Some((now, answer.clone()));
+            answer
+        }
+    }
+}
+
+/// Forgets the last probe's answer: the next [`probe_recent`] probes. Called when the
+/// facts said a device was usable and opening it failed (it may be gone).
+pub fn forget_probe() {
+    *LAST_PROBE.lock().unwrap_or_else(|e| e.into_inner()) = None;
+}
+
 fn facts(r: ffi::RawDevice) -> DeviceFacts {
     let transport = Transport::from_raw(r.transport);
     let ports = r
@@ -393,6 +440,44 @@ mod tests {
         assert_eq!(Transport::from_raw(1), Transport::Iwarp);
         assert_eq!(LinkLayer::from_raw(2), LinkLayer::Ethernet);
         assert_eq!(LinkLayer::from_raw(0), LinkLayer::Unspecified);
+    }
+
+    /// A probe's answer serves the calls of the next [`PROBE_FRESH`], then a new probe's;
+    /// a forgotten answer serves none.
+    #[test]
+    fn a_recent_probe_is_reused_for_its_freshness_window_only() {
+        let slot = Mutex::new(None);
+        let probes = std::cell::Cell::new(0u32);
+        let probe = || {
+            probes.set(probes.get() + 1);
+            Err(ProbeError::NoUserDriver(vec![format!(
+                "dev{}",
+                probes.get()
+            )]))
+        };
+        let name = |r: Result<Vec<DeviceFacts>, ProbeError>| match r {
+            Err(ProbeError::NoUserDriver(n)) => n[0].clone(),
+            other => panic!("unexpected {other:?}"),
+        };
+        let t0 = Instant::now();
+        assert_eq!(name(recent(&slot, t0, probe)), "dev1");
+        let just_in = t0 + PROBE_FRESH - Duration::from_millis(1);
+        assert_eq!(name(recent(&slot, just_in, probe)), "dev1", "reused");
+        assert_eq!(probes.get(), 1);
+        assert_eq!(
+            name(recent(&slot, t0 + PROBE_FRESH, probe)),
+            "dev2",
+            "stale"
+        );
+        let t2 = t0 + PROBE_FRESH;
+        assert_eq!(
+            name(recent(&slot, t2, probe)),
+            "dev2",
+            "the new answer is kept"
+        );
+        *slot.lock().unwrap() = None; // what forget_probe does to the process's slot
+        assert_eq!(name(recent(&slot, t2, probe)), "dev3", "forgotten");
+        assert_eq!(probes.get(), 3);
     }
 
     #[test]

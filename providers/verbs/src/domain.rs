@@ -49,7 +49,7 @@ struct Found {
 }
 
 fn find<F: Flavor>(opts: &VerbsOptions) -> Found {
-    let all = match device::probe() {
+    let all = match device::probe_recent() {
         Ok(d) => d,
         Err(e) => {
             return Found {
@@ -507,6 +507,8 @@ impl<F: Flavor> VerbsDomain<F> {
         let caps = caps_of(&dev, &profile, sel.port);
         let limits = caps.limits;
         let ctx = Ctx::by_name(&dev.name).map_err(|e| {
+            // The facts may be out of date (a device removed since): probe afresh next time.
+            device::forget_probe();
             Error::new(
                 ErrorKind::NoDevice,
                 format!("librdmacm cannot open {}: {e}", dev.name),
