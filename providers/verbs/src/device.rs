@@ -334,8 +334,13 @@ fn recent(
 
 /// Forgets the last probe's answer: the next [`probe_recent`] probes. Called when the
 /// facts said a device was usable and opening it failed (it may be gone).
-pub fn forget_probe() {
-    *LAST_PROBE.lock().unwrap_or_else(|e| e.into_inner()) = None;
+pub(crate) fn forget_probe() {
+    forget(&LAST_PROBE);
+}
+
+/// Empties `slot`: its next [`recent`] probes.
+fn forget(slot: &Mutex<Probed>) {
+    *slot.lock().unwrap_or_else(|e| e.into_inner()) = None;
 }
 
 fn facts(r: ffi::RawDevice) -> DeviceFacts {
@@ -475,7 +480,7 @@ mod tests {
             "dev2",
             "the new answer is kept"
         );
-        *slot.lock().unwrap() = None; // what forget_probe does to the process's slot
+        forget(&slot);
         assert_eq!(name(recent(&slot, t2, probe)), "dev3", "forgotten");
         assert_eq!(probes.get(), 3);
     }
