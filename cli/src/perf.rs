@@ -184,7 +184,7 @@ pub(crate) enum Mode {
     /// soft-RDMA guest) it ends the translated block and returns to the emulator's loop,
     /// which takes its global lock each time: without it the 8-byte write ping-pongs and
     /// roce's send ping-pong ran 13-28% faster there, reads and atomics unchanged
-    /// (BENCHMARKS.md, twenty-eighth session).
+    /// (docs/benchmarks-record.md, twenty-eighth session).
     Spin,
     /// Block in `CqOps::wait`.
     Block,
@@ -287,7 +287,7 @@ impl Op {
 /// ([`sent`](Self::sent)), where it overlaps the wait for the peer's reply; perftest
 /// reads its clock just before the post, and taken there ours (`clock_gettime` through
 /// the vDSO, where perftest reads the TSC inline) delayed every request
-/// (BENCHMARKS.md, forty-sixth session).
+/// (docs/benchmarks-record.md, forty-sixth session).
 pub(crate) struct Laps {
     /// The clock at the start, then after the first request of every iteration but the
     /// first, then at the end (when timed). The differences are taken after the loop:

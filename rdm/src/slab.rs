@@ -2,7 +2,7 @@
 //!
 //! The endpoint's operations, connections and requests in flight live in slabs: a look-up is
 //! an index and a comparison, where a hash map (even with [`fabric::hash::IdHasher`]) spent
-//! about 35 instructions, a dozen times per 8-byte message (callgrind, BENCHMARKS.md).
+//! about 35 instructions, a dozen times per 8-byte message (callgrind, docs/benchmarks-record.md).
 //!
 //! A key is `generation << IDX | index`. A slot's generation starts at 1 and grows each
 //! time its value is removed, so a key names one value only: a key kept after its value

@@ -11,7 +11,7 @@
  * each core's figure moved between about 1 340 and 2 100 within seconds, each core on its
  * own, in spells of 0.5-2 s, and an hour later held at 1 870-2 240 but for brief dips: the
  * fast and slow states that both the host's ping-pongs and the soft-RDMA guest's runs
- * fall into (BENCHMARKS.md, fiftieth session).
+ * fall into (docs/benchmarks-record.md, fiftieth session).
  */
 #include <stdint.h>
 #include <stdio.h>

@@ -38,7 +38,7 @@ With `irq/softirq_raise` enabled too, each CPU's iterations without a switch are
 three: the doorbell's entry to the tasklet's raise (the requester's kernel work), the
 raise to the system call's return (the responder's tasklet and the completion), and the
 return to the next doorbell (user space). On QEMU's TCG all three move together, by
-about 1.8x, between runs and between vCPUs of one run, for any program (BENCHMARKS.md,
+about 1.8x, between runs and between vCPUs of one run, for any program (docs/benchmarks-record.md,
 fiftieth session).
 """
 import argparse

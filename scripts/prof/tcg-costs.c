@@ -14,9 +14,9 @@
  * the table's size) and resized only when the guest flushes it (an address-space switch
  * without PCID, for instance): once the pages a loop touches outnumber the table, or
  * collide in it, every access misses, and the last rows show what a miss costs.
- * Measured in the guest of BENCHMARKS.md's fiftieth session: about 2 ns for a plain add,
- * 7.5 for a locked add, 9.5 for a lock and unlock, 8 for a call and return, 6-10 per
- * access over up to 256 pages and 120-200 over 1 024 or more (on the host: 2, 2.3-3.3,
+ * Measured in the guest of docs/benchmarks-record.md's fiftieth session: about 2 ns for a
+ * plain add, 7.5 for a locked add, 9.5 for a lock and unlock, 8 for a call and return,
+ * 6-10 per access over up to 256 pages and 120-200 over 1 024 or more (on the host: 2, 2.3-3.3,
  * 2.2-3.8, 1.4-2.2, 2 and 3-4).
  */
 #include <stdint.h>

@@ -227,7 +227,7 @@ struct Received {
 /// Receives in arrival order: a vector and the position of the next to take. Its push is
 /// `Vec::push`, inlined, where `VecDeque::push_back` is a call (callgrind in the
 /// soft-RDMA guest, each side of the 8-byte send ping-pong: 23 instructions per iteration
-/// in the `VecDeque`, 11 here; BENCHMARKS.md, thirty-seventh session).
+/// in the `VecDeque`, 11 here; docs/benchmarks-record.md, thirty-seventh session).
 #[derive(Debug, Default)]
 struct Arrivals {
     items: Vec<Received>,
@@ -324,7 +324,7 @@ impl<'a> Reaper<'a> {
     /// Inlined into its two callers: a read's or atomic's completion is usually queued
     /// when its post returns (rxe runs the whole round trip inside the doorbell's system
     /// call), and the call was one more on that iteration's way to the next post
-    /// (callgrind, BENCHMARKS.md, forty-sixth session).
+    /// (callgrind, docs/benchmarks-record.md, forty-sixth session).
     #[inline(always)]
     fn wait_until(
         &mut self,
@@ -423,7 +423,7 @@ impl<'a> Reaper<'a> {
 
     /// The next receive, waited for per `mode`. Inlined into the ping-pong loops: its
     /// return was one more call on the way from the receive to the next post (callgrind
-    /// in the soft-RDMA guest, BENCHMARKS.md, forty-sixth session).
+    /// in the soft-RDMA guest, docs/benchmarks-record.md, forty-sixth session).
     #[inline(always)]
     fn next_recv(&mut self, mode: Mode, limit: Duration) -> Result<Received, String> {
         self.wait_until(mode, limit, "a receive", |r| !r.recvs.is_empty())?;
@@ -550,7 +550,7 @@ impl Queues {
     /// Deeper queues cost a latency test on a device whose queues live in host memory:
     /// each request writes a slot last written a whole ring ago, and the rings of a
     /// verbs queue pair whose entries have room for the device's maximum gather list
-    /// span hundreds of KiB (rxe in the soft-RDMA guest: BENCHMARKS.md, fortieth
+    /// span hundreds of KiB (rxe in the soft-RDMA guest: docs/benchmarks-record.md, fortieth
     /// session). A bandwidth test keeps `window` outstanding: the client twice that (the
     /// server's echo receives are its own), the server 1 024 (it learns the window from
     /// the client's hello, after its queues exist); at least 256 and 4 096 entries.
@@ -559,7 +559,7 @@ impl Queues {
     /// (`max_sge` 1) and take inline payloads up to the larger of its largest message
     /// (`max_size`) and a control message, within the domain's `max_inline`: a verbs
     /// queue pair's entries are then sized to those, not to the device's maximum list
-    /// (rxe: 32 entries, 512 bytes of every entry; BENCHMARKS.md, fortieth session).
+    /// (rxe: 32 entries, 512 bytes of every entry; docs/benchmarks-record.md, fortieth session).
     pub(crate) fn for_test(
         test: Test,
         window: u64,
@@ -1010,7 +1010,7 @@ pub(crate) fn client(
 /// `pool` (the region and its slot size) was given back. Apart from `serve`: inside that
 /// large function the compiler kept the repost's and the post's closures as calls of
 /// their own between the receive and the echo (callgrind in the soft-RDMA guest,
-/// BENCHMARKS.md, forty-sixth session).
+/// docs/benchmarks-record.md, forty-sixth session).
 #[inline(never)]
 fn echo_sends<'w>(
     r: &mut Reaper<'_>,

@@ -14,7 +14,7 @@
 //! exchange; the bytes sent per rank are the same (`2(n-1)/n` of the payload), and so are
 //! the bytes reduced. On a host with fewer cores than ranks the fewer, pairwise steps
 //! leave less time waiting for a rank that is not running (Open MPI takes this algorithm
-//! for the same sizes; see BENCHMARKS.md).
+//! for the same sizes; see docs/benchmarks-record.md).
 //!
 //! **Bit-identical results.** Each element is reduced on one rank only, in a fixed tree
 //! (pairs at distance `n/2` first, `1` last, the lower rank's operand first), and then

@@ -76,7 +76,7 @@
 //!   told its sends need no count, a read that is not split) goes to siw from the stack,
 //!   as on roce, not through the provider's ledger of planned requests: in the guest that
 //!   ledger cost about 4 100 instructions per 8-byte transmit-complete write, the direct
-//!   path about 900 (callgrind; BENCHMARKS.md, twenty-sixth session). Payloads of at
+//!   path about 900 (callgrind; docs/benchmarks-record.md, twenty-sixth session). Payloads of at
 //!   most 32 bytes still go inline, and small reads or writes that would cross a page
 //!   still take the ledger's path, which splits them (`Profile::small_page_crossing`).
 //! * **Fences are the provider's on siw** (`Profile::soft_fence`): a fenced request waits

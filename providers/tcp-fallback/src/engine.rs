@@ -20,7 +20,7 @@
 //! in the epoll ready list. Otherwise every message would wake two threads, and on a
 //! machine with fewer cores than busy threads the progress thread would preempt the
 //! polling application, or hold the connection's progress while preempted (measured with
-//! `fabric perf pingpong`: see BENCHMARKS.md). A connection the progress thread skipped
+//! `fabric perf pingpong`: see docs/benchmarks-record.md). A connection the progress thread skipped
 //! stays on its list until it is progressed, so when the application stops polling the
 //! thread takes over within `HANDOFF`: no readiness is lost. The thread sleeps until the
 //! first of its skipped connections would stop counting as driven, on a timer
@@ -571,7 +571,7 @@ impl<P: Poller> PollSet<P> {
     /// directly, and no hello repeat is pending. Then a look every millisecond only costs
     /// the machine a wake-up (on a 2-core virtual machine whose target waited through a
     /// 1 MiB write stream, the target's progress thread alone cost the stream 20-35 %:
-    /// BENCHMARKS.md, forty-second session). Returns `true` with the nap announced
+    /// docs/benchmarks-record.md, forty-second session). Returns `true` with the nap announced
     /// (`napping` set before the checks, so that an [`end_nap`](Self::end_nap) racing
     /// with them unparks the thread), or `false` with nothing changed.
     fn nap_begin(&self, skipped: usize, all_driven: impl FnOnce() -> bool) -> bool {

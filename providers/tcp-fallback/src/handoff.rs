@@ -7,7 +7,7 @@
 //! two context switches and a timer a millisecond, each of which takes the core from a
 //! polling thread that shares it (the 99th percentile of an 8-byte `fabric perf lat`
 //! ping-pong on the pinned host: 15-23 usec with them, 5-7 with no progress thread at all;
-//! BENCHMARKS.md, forty-fifth session).
+//! docs/benchmarks-record.md, forty-fifth session).
 //!
 //! So the thread sleeps on a timer ([`Handoff`], a `timerfd`), and when one completion
 //! queue's poll set drives every connection of the domain, the thread **leases** that set

@@ -531,7 +531,7 @@ impl TxQueue {
 /// FPDUs of one message handed to the kernel in one `sendmsg` (without CRC): 1 MiB of
 /// 64 KiB FPDUs, 48 of the 64 pieces one call takes. The 1 MiB write stream gained about a
 /// tenth over 4 per call (6 interleaved rounds on loopback: faster in 6 of 6, 0.83-0.96x
-/// of a raw TCP stream before, 0.90-1.03x after; BENCHMARKS.md).
+/// of a raw TCP stream before, 0.90-1.03x after; docs/benchmarks-record.md).
 const GATHER_FPDUS: usize = 16;
 
 /// Writes what it can of `fpdu` (from byte `written` on), and of the `followers` after it,

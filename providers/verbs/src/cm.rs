@@ -455,7 +455,7 @@ impl Drop for Rnr {
 /// twice this once. While the application works, its own posts and polls write the
 /// updates: looking every 2 ms woke this thread 500 times a second for nothing, each
 /// wake-up taking a vCPU from a spinning application in the soft-RDMA guest (an A/B:
-/// BENCHMARKS.md, twenty-eighth session).
+/// docs/benchmarks-record.md, twenty-eighth session).
 const WATCH_MAX: Duration = Duration::from_millis(32);
 
 /// The RNR thread's quickest look at blocked endpoints (after a change in the list).

@@ -65,7 +65,7 @@ pub(crate) trait CompletionTarget<Q: DeviceQueue>: Send + Sync + Sized {
     /// whether it did (else the drain hands it to `on_completion`, having changed
     /// nothing). Borrowed from the queue's map, so the drain takes no counted reference
     /// to the target for it (two atomic operations per completion, dear in the guest:
-    /// BENCHMARKS.md, thirty-second and thirty-fourth sessions).
+    /// docs/benchmarks-record.md, thirty-second and thirty-fourth sessions).
     fn complete_common(
         &self,
         _cq: &CqInner<Q, Self>,
@@ -444,7 +444,7 @@ impl<Q: DeviceQueue, E: CompletionTarget<Q>> CqInner<Q, E> {
     /// Inlined, the device's queue polled in place and the routing apart: a spinning
     /// application's polls mostly find the device's queue empty, and then make no call
     /// of ours (in the guest a call and its return cost as much as twenty plain
-    /// instructions: BENCHMARKS.md, thirty-second session).
+    /// instructions: docs/benchmarks-record.md, thirty-second session).
     #[inline(always)]
     pub fn drain(&self, st: &mut CqState<E>) {
         let n = self.poll_device(st);

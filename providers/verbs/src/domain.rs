@@ -38,7 +38,7 @@ const CREDIT_SLOTS: usize = 32;
 /// stream of 64 KiB reads ran dry once the target's CPU was busy too: A/B in one soft-RDMA
 /// boot, 4 rounds, against `ib_read_bw` (perftest's server polling, as ours): iwarp 64 KiB
 /// 0.95x -> 1.26x (higher in 4 of 4), 1 MiB 0.82x -> 0.95x, roce 64 KiB 0.99x -> 1.17x
-/// (BENCHMARKS.md, twenty-ninth session). The price is the device's per-connection
+/// (docs/benchmarks-record.md, twenty-ninth session). The price is the device's per-connection
 /// read state (siw: 128-entry ORQ and IRQ; rxe: 128 responder resources).
 const WANT_RD_ATOM: u32 = 128;
 
@@ -424,9 +424,9 @@ impl DomainInner {
     /// The queue pair for an endpoint of these depths whose requests carry at most `sge`
     /// entries and `inline` bytes inline. Its entries are sized to those (an rxe entry
     /// has room for the larger of `sge` entries and `inline` bytes: sized to the device's
-    /// maximum, its rings span hundreds of KiB; BENCHMARKS.md, fortieth session), except
-    /// where the provider posts requests of its own (credits, emulation, inlined small
-    /// payloads: iWARP), which keep the device's.
+    /// maximum, its rings span hundreds of KiB; docs/benchmarks-record.md, fortieth
+    /// session), except where the provider posts requests of its own (credits,
+    /// emulation, inlined small payloads: iWARP), which keep the device's.
     fn qp_caps(&self, sq: u32, rq: u32, sge: u32, inline: u32) -> QpCaps {
         let pieces = pieces(&self.dev, &self.profile) as u32;
         let extra = if self.profile.credits {

@@ -47,14 +47,14 @@ pub(crate) const POLL_MAX: Duration = Duration::from_millis(2);
 /// Each pass of the helper wakes a thread that takes a CPU from whatever runs: at the 2 ms
 /// pace, the 8-byte read ping-pong on siw (whose target application waits, and never
 /// polls) ran at 2.03x `ib_read_lat` at its median, and 1.46x with the helper slowed to
-/// a stop (an A/B in one soft-RDMA boot, BENCHMARKS.md, twenty-eighth session).
+/// a stop (an A/B in one soft-RDMA boot, docs/benchmarks-record.md, twenty-eighth session).
 pub(crate) const QUIET_SHARE: u32 = 16;
 /// The helper thread's slowest poll of the emulation areas while every area was looked
 /// at by a poll of its application since the helper's last pass ([`EmuWatch::look`]: a
 /// poll that finds a request or a reply serves it itself); also the slowest pace of a
 /// long-quiet domain ([`QUIET_SHARE`]). Each wake-up of the helper costs a spinning
 /// application its CPU for a moment: at the 2 ms pace, the 8-byte transmit-complete write
-/// ping-pong on siw ran at 1.30x `ib_write_lat` and 1.07x with this (BENCHMARKS.md,
+/// ping-pong on siw ran at 1.30x `ib_write_lat` and 1.07x with this (docs/benchmarks-record.md,
 /// twenty-seventh session). The price: an atomic arriving just as its target's
 /// application stopped polling waits up to about twice this once.
 pub(crate) const POLL_STRETCH: Duration = Duration::from_millis(32);
@@ -78,7 +78,8 @@ pub(crate) fn slowest(quiet: Duration, covered: bool) -> Duration {
 /// area was looked at since the helper's last pass, the helper looks only every
 /// [`POLL_STRETCH`]. A look is a few loads and a store: no read-modify-write, which the
 /// soft-RDMA guest's emulated CPUs make expensive (a look that took and dropped a counted
-/// reference per poll made the 8-byte write ping-pong slower, not faster: BENCHMARKS.md).
+/// reference per poll made the 8-byte write ping-pong slower, not faster:
+/// docs/benchmarks-record.md).
 #[derive(Debug)]
 pub(crate) struct EmuWatch {
     /// Our emulation area (the peer writes into it).

@@ -360,7 +360,7 @@ type Failure = (ErrorKind, Option<ProviderCode>);
 /// the record so that the common one stays small: a record is built and moved into the
 /// ledger on every post, and taken apart on every completion; at 64 bytes instead of 120
 /// that is half the memory traffic (in the guest every memory access is dear:
-/// BENCHMARKS.md, thirty-second session).
+/// docs/benchmarks-record.md, thirty-second session).
 #[derive(Debug, Default)]
 struct SqRare {
     /// Failed to post: complete with this error when its turn comes.
@@ -1752,7 +1752,7 @@ impl EpCore {
     ///
     /// On siw this is most of a small transfer's cost in the guest: the ledger's path
     /// was about 4 100 instructions per 8-byte transmit-complete write, this one about
-    /// 900 (callgrind, BENCHMARKS.md, twenty-sixth session).
+    /// 900 (callgrind, docs/benchmarks-record.md, twenty-sixth session).
     #[inline]
     fn post_direct(self: &Arc<Self>, wr: &SendWr<'_>) -> Direct {
         let p = &self.dom.profile;
@@ -3496,7 +3496,7 @@ impl EpCore {
     /// emulated immediate data and the count of receives completed, unless a batched
     /// credit update comes due with it: the general path sends that. In the guest this
     /// path was half of a receive's instructions on each side of an 8-byte send
-    /// ping-pong (BENCHMARKS.md, thirty-third session).
+    /// ping-pong (docs/benchmarks-record.md, thirty-third session).
     #[inline(always)]
     fn complete_in_order(
         &self,
@@ -3550,7 +3550,7 @@ impl EpCore {
             // Taken apart as it leaves the queue: only the fields used are read, and only
             // the hold (and the rare part, none here) need dropping, so the record
             // is not copied whole for a drop call (in the guest every memory access and
-            // call is dear: BENCHMARKS.md, thirty-second session).
+            // call is dear: docs/benchmarks-record.md, thirty-second session).
             let SqRec {
                 seq,
                 internal,

@@ -8,7 +8,7 @@
 //! growth inlined into them): callgrind of the roce 8-byte send ping-pong in the
 //! soft-RDMA guest counted one per post, some 25 instructions each plus the call, where
 //! in QEMU's TCG a call and its return cost as much as twenty plain instructions
-//! (BENCHMARKS.md, thirty-second and forty-sixth sessions). Here the queue is a ring of
+//! (docs/benchmarks-record.md, thirty-second and forty-sixth sessions). Here the queue is a ring of
 //! slots that are reused, never dropped: a push that needs no room writes the record into
 //! its slot and counts it, and the growth is apart.
 //!

@@ -44,7 +44,7 @@
 //! that (roce, ib), a request with nothing held back goes straight from `post_send`
 //! to the device, built on the stack, and its successful completion is reported without
 //! the ledger's searches: the same requests and completions, fewer instructions (about 2 900
-//! against 5 500 per 8-byte send iteration on rxe; see BENCHMARKS.md).
+//! against 5 500 per 8-byte send iteration on rxe; see docs/benchmarks-record.md).
 //!
 //! # Completion queues never overrun
 //! Every hardware request is posted signaled; a request the application posted unsignaled

@@ -25,7 +25,7 @@
 //! std's mutex read the panic count on every lock and every unlock (to poison): in the
 //! soft-RDMA guest, callgrind counted 57 instructions per iteration of the 8-byte
 //! fetch_add client in locking (the poison checks and the futex), 8 with `parking_lot`;
-//! 128 against 22 at the 8-byte send ping-pong's client (BENCHMARKS.md, thirty-seventh
+//! 128 against 22 at the 8-byte send ping-pong's client (docs/benchmarks-record.md, thirty-seventh
 //! session). Nothing rested on poisoning: a poisoned lock only turned every later lock
 //! into a panic (the endpoint's teardown's too), and the state these locks guard is
 //! plain safe data, whatever a panic left it as.
