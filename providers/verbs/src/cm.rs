@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use fabric_api::{Error, ErrorKind, Notifier};
 
-use crate::ep::{EpCore, Retry};
+use crate::ep::{EpCore, Patience, Retry};
 use crate::ffi::{self, cm_event, CmEvent, CmId, EventChannel, EventFd};
 
 /// Events for one identifier, waited on with a deadline.
@@ -464,13 +464,39 @@ const BLOCKED_MIN: Duration = Duration::from_micros(100);
 const BLOCKED_MAX: Duration = Duration::from_millis(2);
 
 /// The RNR thread's next wait for its blocked endpoints after a look that took `delay`:
-/// back to the quickest when one of them `left` the list, else twice as long, up to
-/// [`BLOCKED_MAX`], or [`WATCH_MAX`] when every one left is `watching` (`Retry::Watching`).
-fn blocked_pace(delay: Duration, left: bool, watching: bool) -> Duration {
+/// back to the quickest when one of them `left` the list; the same when one was
+/// `skipped` (`Retry::Skipped`: the next look waits for its lock, and is not put off for
+/// it); else twice as long, up to [`BLOCKED_MAX`], or [`WATCH_MAX`] when every one left
+/// is `watching` (`Retry::Watching`).
+fn blocked_pace(delay: Duration, left: bool, watching: bool, skipped: bool) -> Duration {
     if left {
         return BLOCKED_MIN;
     }
+    if skipped {
+        return delay;
+    }
     (delay * 2).min(if watching { WATCH_MAX } else { BLOCKED_MAX })
+}
+
+/// Whether a wake-up of the helper thread at `now` takes a list whose next look falls due
+/// at `next`, at a pace of `pace`: once due, or early by up to half its pace. The thread
+/// wakes only when some list is due; taking the others that are nearly due puts them on
+/// that wake-up, and after one such pass lists at the same pace stay together. Each list
+/// kept its own wake-up before: beside an 8-byte ping-pong in the soft-RDMA guest the
+/// emulation's and the blocked endpoints' looks, both every 32 ms, fell due apart, and
+/// the thread slept twice per pass (docs/benchmarks-record.md, fifty-sixth session).
+fn takes(now: Instant, next: Instant, pace: Duration) -> bool {
+    now + pace / 2 >= next
+}
+
+/// How the next pass over a list takes the endpoints' locks: waiting, when the last pass
+/// skipped one ([`Patience`]), so that no look is put off twice.
+fn patience_after(skipped: bool) -> Patience {
+    if skipped {
+        Patience::Wait
+    } else {
+        Patience::Skip
+    }
 }
 
 fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
@@ -480,6 +506,8 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
     let mut emu_delay = crate::emu::POLL_MIN;
     let mut next_serve = Instant::now();
     let mut last_busy = Instant::now();
+    let mut serve_patience = Patience::Skip;
+    let mut blocked_patience = Patience::Skip;
     // The lists' endpoints are moved into these between looks and back (`append` keeps
     // both vectors' capacity): a look allocates nothing once they have grown.
     let mut batch: Vec<Weak<EpCore>> = Vec::new();
@@ -532,28 +560,31 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
                 };
             }
             let now = Instant::now();
-            if let Some(t) = tick.filter(|_| now >= next_watch) {
+            if let Some(t) = tick.filter(|t| takes(now, next_watch, *t)) {
                 next_watch = now + t;
                 watch.append(&mut l.watched);
             }
-            if now >= next_serve {
+            if takes(now, next_serve, emu_delay) {
                 serve.append(&mut l.served);
             }
-            if now >= next_blocked {
+            if takes(now, next_blocked, delay) {
                 batch.append(&mut l.blocked);
             }
         }
         if !serve.is_empty() {
             let mut busy = false;
             let mut covered = true;
+            let mut skipped = false;
             serve.retain(|w| {
                 w.upgrade().is_some_and(|ep| {
-                    let pass = ep.poll_emu();
+                    let pass = ep.poll_emu(serve_patience);
                     busy |= pass.busy;
                     covered &= pass.covered;
+                    skipped |= pass.skipped;
                     pass.keep
                 })
             });
+            serve_patience = patience_after(skipped);
             if busy {
                 last_busy = Instant::now();
             }
@@ -580,17 +611,24 @@ fn rnr_main(s: Arc<RnrShared>, tick: Option<Duration>) {
         if !batch.is_empty() {
             let before = batch.len();
             let mut watching = true;
+            let mut skipped = false;
             batch.retain(|w| {
-                w.upgrade().is_some_and(|ep| match ep.retry_blocked() {
-                    Retry::Done => false,
-                    Retry::Watching => true,
-                    Retry::Again => {
-                        watching = false;
-                        true
-                    }
-                })
+                w.upgrade()
+                    .is_some_and(|ep| match ep.retry_blocked(blocked_patience) {
+                        Retry::Done => false,
+                        Retry::Watching => true,
+                        Retry::Again => {
+                            watching = false;
+                            true
+                        }
+                        Retry::Skipped => {
+                            skipped = true;
+                            true
+                        }
+                    })
             });
-            delay = blocked_pace(delay, batch.len() < before, watching);
+            blocked_patience = patience_after(skipped);
+            delay = blocked_pace(delay, batch.len() < before, watching, skipped);
             next_blocked = Instant::now() + delay;
             s.lists
                 .lock()
@@ -635,15 +673,64 @@ mod tests {
     fn blocked_endpoints_are_looked_at_slower_while_their_applications_work() {
         let ms = Duration::from_millis;
         // A change in the list: the quickest look.
-        assert_eq!(blocked_pace(ms(8), true, true), BLOCKED_MIN);
+        assert_eq!(blocked_pace(ms(8), true, true, false), BLOCKED_MIN);
+        assert_eq!(blocked_pace(ms(8), true, true, true), BLOCKED_MIN);
         // Held requests or owed updates: doubling up to 2 ms.
-        assert_eq!(blocked_pace(BLOCKED_MIN, false, false), BLOCKED_MIN * 2);
-        assert_eq!(blocked_pace(ms(2), false, false), BLOCKED_MAX);
-        assert_eq!(blocked_pace(ms(16), false, false), BLOCKED_MAX);
+        assert_eq!(
+            blocked_pace(BLOCKED_MIN, false, false, false),
+            BLOCKED_MIN * 2
+        );
+        assert_eq!(blocked_pace(ms(2), false, false, false), BLOCKED_MAX);
+        assert_eq!(blocked_pace(ms(16), false, false, false), BLOCKED_MAX);
         // Only receives to announce, applications at work: on up to 32 ms.
-        assert_eq!(blocked_pace(ms(2), false, true), ms(4));
-        assert_eq!(blocked_pace(ms(16), false, true), WATCH_MAX);
-        assert_eq!(blocked_pace(WATCH_MAX, false, true), WATCH_MAX);
+        assert_eq!(blocked_pace(ms(2), false, true, false), ms(4));
+        assert_eq!(blocked_pace(ms(16), false, true, false), WATCH_MAX);
+        assert_eq!(blocked_pace(WATCH_MAX, false, true, false), WATCH_MAX);
+        // A look skipped (the application held the lock): the same pace again, not
+        // slower, for the look that then waits for the lock.
+        assert_eq!(blocked_pace(BLOCKED_MIN, false, false, true), BLOCKED_MIN);
+        assert_eq!(blocked_pace(ms(2), false, true, true), ms(2));
+    }
+
+    /// A pass that skipped a look is followed by one that waits for the lock, and a pass
+    /// that skipped none by one that may skip: no look is put off twice in a row.
+    #[test]
+    fn a_skipped_look_is_taken_patiently_at_the_next_pass() {
+        assert_eq!(patience_after(true), Patience::Wait);
+        assert_eq!(patience_after(false), Patience::Skip);
+    }
+
+    /// The lists nearly due ride on a wake-up that another list's look causes, and then
+    /// stay on one wake-up: two lists at 32 ms that fell due 10 ms apart are taken
+    /// together from the first wake-up on.
+    #[test]
+    fn lists_nearly_due_are_taken_on_the_same_wake_up() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        assert!(takes(t0, t0, WATCH_MAX), "due");
+        assert!(takes(t0, t0 - ms(5), WATCH_MAX), "overdue");
+        assert!(
+            takes(t0, t0 + ms(10), WATCH_MAX),
+            "due within half its pace"
+        );
+        assert!(takes(t0, t0 + ms(16), WATCH_MAX));
+        assert!(!takes(t0, t0 + ms(17), WATCH_MAX), "not yet");
+        assert!(
+            !takes(t0, t0 + ms(1), Duration::ZERO),
+            "a spinning list waits for its time"
+        );
+        // Two lists at 32 ms, due at 0 and 10 ms: simulate the thread's wake-ups.
+        let (mut a, mut b) = (t0, t0 + ms(10));
+        let mut wakeups = Vec::new();
+        for _ in 0..4 {
+            let now = a.min(b); // the thread wakes when the first is due
+            let (ta, tb) = (takes(now, a, WATCH_MAX), takes(now, b, WATCH_MAX));
+            assert!(ta && tb, "both lists taken at {:?}", now - t0);
+            a = now + WATCH_MAX;
+            b = now + WATCH_MAX;
+            wakeups.push(now - t0);
+        }
+        assert_eq!(wakeups, [ms(0), ms(32), ms(64), ms(96)]);
     }
 
     #[test]

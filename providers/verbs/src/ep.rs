@@ -690,6 +690,27 @@ pub(crate) enum Retry {
     /// polls write the updates that come due. The thread may look again at its slower
     /// pace (`cm::WATCH_MAX`).
     Watching,
+    /// Not looked at: the application held the endpoint's lock ([`Patience::Skip`]). The
+    /// next pass looks, waiting for the lock.
+    Skipped,
+}
+
+/// How the domain's helper thread takes an endpoint's lock for a look.
+///
+/// A helper that waits for a lock the application holds parks; the application's unlock
+/// then has to wake it (a system call), and the woken helper takes a CPU from the
+/// application that just released the lock. In the soft-RDMA guest the helper preempted
+/// a spinning ping-pong application about 200 times a second, and found its lock held
+/// in 10 to 33 passes a second (docs/benchmarks-record.md, fifty-sixth session). A look
+/// at a locked endpoint finds an application at work, whose own posts and polls do what
+/// the look was for; the look can wait for the next pass, which then waits for the lock,
+/// so every look is at most one pass late.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Patience {
+    /// Waits for the lock.
+    Wait,
+    /// Skips the look while another thread holds the lock.
+    Skip,
 }
 
 impl Retry {
@@ -1210,6 +1231,15 @@ impl EpCore {
     #[inline]
     fn lock(&self) -> RankedGuard<'_, Ledger> {
         self.st.lock()
+    }
+
+    /// The ledger's lock for a look of the helper thread: `None` when the look is skipped
+    /// ([`Patience`]).
+    fn lock_for(&self, patience: Patience) -> Option<RankedGuard<'_, Ledger>> {
+        match patience {
+            Patience::Wait => Some(self.lock()),
+            Patience::Skip => self.st.try_lock(),
+        }
     }
 
     fn iwarp(&self) -> bool {
@@ -2347,7 +2377,9 @@ impl EpCore {
         }
     }
 
-    /// Called by the RNR thread: retries held-back work. Returns whether still blocked.
+    /// Called by the RNR thread: retries held-back work, and says whether and how soon
+    /// to look again. With [`Patience::Skip`], a ledger locked by another thread is not
+    /// looked at ([`Retry::Skipped`]); once looked at, the reaps below wait for their locks.
     ///
     /// A credit update owed for lack of an internal slot needs the device queue reaped
     /// (completions of the provider's own requests give their slots back). Reaping takes
@@ -2356,12 +2388,14 @@ impl EpCore {
     /// at again (lock order: [`crate::sync`]). Reaping under the ledger's lock was a
     /// self-deadlock: the drain's call into this endpoint waited for the lock its own
     /// thread held.
-    pub fn retry_blocked(self: &Arc<Self>) -> Retry {
+    pub fn retry_blocked(self: &Arc<Self>, patience: Patience) -> Retry {
         // Batched credit updates: when nothing was posted or filled here for `DEFER`
         // while receives are not announced, the receive queue is reaped. The application
         // may have stopped looking while the peer, out of credit, waits: the fills found
         // make an update due (`handle_completion`) exactly when the peer may run short.
-        let mut l = self.lock();
+        let Some(mut l) = self.lock_for(patience) else {
+            return Retry::Skipped;
+        };
         let active = self.lazy && {
             let now = l.recvs_posted + l.recvs_done;
             let moved = l.recv_seen.0 != now;
@@ -2371,12 +2405,13 @@ impl EpCore {
             moved
         };
         let stale = self.unannounced(&l) && l.recv_seen.1.elapsed() >= DEFER;
-        drop(l);
         if stale {
+            drop(l);
             self.recv_cq.reap();
+            l = self.lock();
         }
-        for reaped in [false, true] {
-            let mut l = self.lock();
+        let mut reaped = false;
+        loop {
             if l.status != EndpointState::Connected || l.torn_down {
                 drop(l);
                 return if self.flush_stuck() {
@@ -2408,8 +2443,9 @@ impl EpCore {
             }
             drop(l);
             self.send_cq.reap();
+            reaped = true;
+            l = self.lock();
         }
-        unreachable!("the second pass returns")
     }
 
     /// How long a dead endpoint waits for the device to flush what it holds, and how
@@ -2712,14 +2748,23 @@ impl EpCore {
 
     /// Serves the emulation of atomics (called by the domain's helper thread, and by a
     /// poll of the application whose look found work, `EmuWatch::look`; no lock held):
-    /// completes our atomic whose reply arrived and executes the peer's request.
-    pub fn poll_emu(self: &Arc<Self>) -> EmuPass {
+    /// completes our atomic whose reply arrived and executes the peer's request. With
+    /// [`Patience::Skip`], an endpoint whose ledger another thread holds is passed over
+    /// (`EmuPass::skipped`); once work is found, every lock is waited for.
+    pub fn poll_emu(self: &Arc<Self>, patience: Patience) -> EmuPass {
         let Some(e) = &self.emu else {
             return EmuPass::default();
         };
         let covered = e.watch.looked.swap(false, Ordering::AcqRel);
         let (wait, killing, served, keep) = {
-            let l = self.lock();
+            let Some(l) = self.lock_for(patience) else {
+                return EmuPass {
+                    busy: e.watch.wait.load(Ordering::Acquire) != 0,
+                    keep: true,
+                    covered,
+                    skipped: true,
+                };
+            };
             if l.torn_down {
                 return EmuPass::default();
             }
@@ -2752,12 +2797,14 @@ impl EpCore {
                 busy,
                 keep,
                 covered,
+                skipped: false,
             };
         }
         EmuPass {
             busy,
             keep: Self::served(&self.lock()),
             covered,
+            skipped: false,
         }
     }
 
@@ -4085,7 +4132,7 @@ impl CompletionTarget<HwCq> for EpCore {
     }
 
     fn serve(self: &Arc<Self>) {
-        self.poll_emu();
+        self.poll_emu(Patience::Wait);
     }
 
     /// A send whose delivery read is held back: completed once the peer's count confirms
@@ -4117,6 +4164,8 @@ pub(crate) struct EmuPass {
     /// A poll of the application looked at the area since the previous pass
     /// (`EmuWatch::look`).
     pub covered: bool,
+    /// The look was skipped: another thread held the endpoint's lock ([`Patience::Skip`]).
+    pub skipped: bool,
 }
 
 /// What the direct path of a post did ([`EpCore::post_direct`]).

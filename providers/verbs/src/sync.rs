@@ -169,6 +169,31 @@ impl<T> Ranked<T> {
         };
         RankedGuard { g, rank: self.rank }
     }
+
+    /// Takes the lock if no thread holds it, else returns `None` at once. For the domain's
+    /// helper thread, whose looks at an endpoint can wait for a later pass: blocking on a
+    /// lock the application holds parks the helper, and the application's unlock must
+    /// then wake it (a system call), after which the helper takes a CPU from the
+    /// application that just released the lock. The order is checked as for
+    /// [`Self::lock`]: a thread that could not take the lock in order must not try it.
+    #[inline]
+    pub fn try_lock(&self) -> Option<RankedGuard<'_, T>> {
+        #[cfg(any(debug_assertions, loom))]
+        held::acquire(self.rank);
+        #[cfg(not(loom))]
+        let g = self.m.try_lock();
+        // loom's `try_lock` refuses only a held lock (it never reports poisoning).
+        #[cfg(loom)]
+        let g = self.m.try_lock().ok();
+        match g {
+            Some(g) => Some(RankedGuard { g, rank: self.rank }),
+            None => {
+                #[cfg(any(debug_assertions, loom))]
+                held::release(self.rank);
+                None
+            }
+        }
+    }
 }
 
 /// The guard of a [`Ranked`] lock.
@@ -223,6 +248,31 @@ mod tests {
         let _a = cq.lock();
         drop(_a);
         let _b = ep.lock();
+    }
+
+    /// `try_lock` gives the lock when it is free, and nothing while another thread holds
+    /// it; a refused try leaves no hold behind (the order check would then refuse a queue
+    /// lock after it).
+    #[test]
+    fn try_lock_takes_a_free_lock_and_refuses_a_held_one() {
+        let cq = Ranked::new(Rank::Cq, 0u32);
+        let ep = std::sync::Arc::new(Ranked::new(Rank::Endpoint, 0u32));
+        *ep.try_lock().expect("a free lock is taken") = 5;
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let ep2 = ep.clone();
+        let holder = std::thread::spawn(move || {
+            let _g = ep2.lock();
+            held_tx.send(()).unwrap();
+            done_rx.recv().unwrap();
+        });
+        held_rx.recv().unwrap();
+        assert!(ep.try_lock().is_none(), "another thread holds it");
+        // The refused try recorded no hold: the queue's lock is still in order here.
+        drop(cq.lock());
+        done_tx.send(()).unwrap();
+        holder.join().unwrap();
+        assert_eq!(*ep.try_lock().expect("released"), 5);
     }
 
     /// A panic while a lock is held does not poison it: the lock is taken again, with
