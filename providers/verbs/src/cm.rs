@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 
 use fabric_api::{Error, ErrorKind, Notifier};
 
-use crate::ep::{EpCore, Patience, Retry};
+use crate::ep::{EpCore, Retry};
 use crate::ffi::{self, cm_event, CmEvent, CmId, EventChannel, EventFd};
+use crate::sync::Patience;
 
 /// Events for one identifier, waited on with a deadline.
 ///

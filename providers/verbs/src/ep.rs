@@ -30,7 +30,7 @@ use crate::emu::{self, AmoOp, AmoReply, AmoReq, EmuWatch, ExtDesc, ImmRec};
 use crate::ffi::{self, CmId, HwCq, HwOp, HwWr, Inline, Mr, Sge, Sges, Wc};
 use crate::fifo::{self, Fifo};
 use crate::status::{self, wc};
-use crate::sync::{Rank, Ranked, RankedGuard};
+use crate::sync::{Patience, Rank, Ranked, RankedGuard};
 use crate::{Flavor, Transport};
 use smallvec::{smallvec, SmallVec};
 
@@ -695,24 +695,6 @@ pub(crate) enum Retry {
     Skipped,
 }
 
-/// How the domain's helper thread takes an endpoint's lock for a look.
-///
-/// A helper that waits for a lock the application holds parks; the application's unlock
-/// then has to wake it (a system call), and the woken helper takes a CPU from the
-/// application that just released the lock. In the soft-RDMA guest the helper preempted
-/// a spinning ping-pong application about 200 times a second, and found its lock held
-/// in 10 to 33 passes a second (docs/benchmarks-record.md, fifty-sixth session). A look
-/// at a locked endpoint finds an application at work, whose own posts and polls do what
-/// the look was for; the look can wait for the next pass, which then waits for the lock,
-/// so every look is at most one pass late.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Patience {
-    /// Waits for the lock.
-    Wait,
-    /// Skips the look while another thread holds the lock.
-    Skip,
-}
-
 impl Retry {
     /// What a look at a blocked endpoint found: `still`, work left for the thread (held
     /// requests, an owed update, receives not announced); `slow`, the application posted
@@ -1231,15 +1213,6 @@ impl EpCore {
     #[inline]
     fn lock(&self) -> RankedGuard<'_, Ledger> {
         self.st.lock()
-    }
-
-    /// The ledger's lock for a look of the helper thread: `None` when the look is skipped
-    /// ([`Patience`]).
-    fn lock_for(&self, patience: Patience) -> Option<RankedGuard<'_, Ledger>> {
-        match patience {
-            Patience::Wait => Some(self.lock()),
-            Patience::Skip => self.st.try_lock(),
-        }
     }
 
     fn iwarp(&self) -> bool {
@@ -2393,7 +2366,7 @@ impl EpCore {
         // while receives are not announced, the receive queue is reaped. The application
         // may have stopped looking while the peer, out of credit, waits: the fills found
         // make an update due (`handle_completion`) exactly when the peer may run short.
-        let Some(mut l) = self.lock_for(patience) else {
+        let Some(mut l) = self.st.lock_with(patience) else {
             return Retry::Skipped;
         };
         let active = self.lazy && {
@@ -2757,7 +2730,7 @@ impl EpCore {
         };
         let covered = e.watch.looked.swap(false, Ordering::AcqRel);
         let (wait, killing, served, keep) = {
-            let Some(l) = self.lock_for(patience) else {
+            let Some(l) = self.st.lock_with(patience) else {
                 return EmuPass {
                     busy: e.watch.wait.load(Ordering::Acquire) != 0,
                     keep: true,

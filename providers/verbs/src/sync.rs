@@ -127,6 +127,25 @@ mod held {
 #[cfg(all(loom, test))]
 pub(crate) use held::unchecked;
 
+/// How a thread that can put its work off takes a lock ([`Ranked::lock_with`]).
+///
+/// The domain's helper thread looks at endpoints on behalf of applications that may have
+/// stopped calling in. Waiting for a lock an application holds parks the helper; the
+/// application's unlock then has to wake it (a system call), and the woken helper takes a
+/// CPU from the application that just released the lock. In the soft-RDMA guest the
+/// helper preempted a spinning ping-pong application about 200 times a second, and found
+/// its lock held in 10 to 33 passes a second (docs/benchmarks-record.md, fifty-sixth
+/// session). A look at a locked endpoint finds an application at work, whose own posts
+/// and polls do what the look was for: the helper skips it, and its next pass over that
+/// list waits for the lock, so every look is at most one pass late.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Patience {
+    /// Waits for the lock.
+    Wait,
+    /// Gives up at once while another thread holds the lock.
+    Skip,
+}
+
 /// A mutex with a rank in the lock order (see the module docs).
 pub(crate) struct Ranked<T> {
     rank: Rank,
@@ -170,12 +189,9 @@ impl<T> Ranked<T> {
         RankedGuard { g, rank: self.rank }
     }
 
-    /// Takes the lock if no thread holds it, else returns `None` at once. For the domain's
-    /// helper thread, whose looks at an endpoint can wait for a later pass: blocking on a
-    /// lock the application holds parks the helper, and the application's unlock must
-    /// then wake it (a system call), after which the helper takes a CPU from the
-    /// application that just released the lock. The order is checked as for
-    /// [`Self::lock`]: a thread that could not take the lock in order must not try it.
+    /// Takes the lock if no thread holds it, else returns `None` at once. The order is
+    /// checked as for [`Self::lock`]: a thread that could not take the lock in order must
+    /// not try it.
     #[inline]
     pub fn try_lock(&self) -> Option<RankedGuard<'_, T>> {
         #[cfg(any(debug_assertions, loom))]
@@ -192,6 +208,16 @@ impl<T> Ranked<T> {
                 held::release(self.rank);
                 None
             }
+        }
+    }
+
+    /// Takes the lock as `patience` says: waiting for it, or `None` while another thread
+    /// holds it.
+    #[inline]
+    pub fn lock_with(&self, patience: Patience) -> Option<RankedGuard<'_, T>> {
+        match patience {
+            Patience::Wait => Some(self.lock()),
+            Patience::Skip => self.try_lock(),
         }
     }
 }
@@ -252,9 +278,9 @@ mod tests {
 
     /// `try_lock` gives the lock when it is free, and nothing while another thread holds
     /// it; a refused try leaves no hold behind (the order check would then refuse a queue
-    /// lock after it).
+    /// lock after it). `lock_with` skips a held lock or waits for it, as asked.
     #[test]
-    fn try_lock_takes_a_free_lock_and_refuses_a_held_one() {
+    fn try_lock_and_lock_with_take_a_free_lock_and_skip_or_wait_for_a_held_one() {
         let cq = Ranked::new(Rank::Cq, 0u32);
         let ep = std::sync::Arc::new(Ranked::new(Rank::Endpoint, 0u32));
         *ep.try_lock().expect("a free lock is taken") = 5;
@@ -268,10 +294,40 @@ mod tests {
         });
         held_rx.recv().unwrap();
         assert!(ep.try_lock().is_none(), "another thread holds it");
+        // `lock_with(Skip)` gives up too, at once (run aside: a wait would hang here).
+        let (skip_tx, skip_rx) = std::sync::mpsc::channel();
+        let ep3 = ep.clone();
+        let skipper = std::thread::spawn(move || {
+            skip_tx
+                .send(ep3.lock_with(Patience::Skip).is_none())
+                .unwrap();
+        });
+        let skipped = skip_rx.recv_timeout(std::time::Duration::from_secs(30));
+        assert_eq!(skipped, Ok(true), "Skip gives up while the lock is held");
+        skipper.join().unwrap();
+        // `lock_with(Wait)` waits for the holder, and then has the lock.
+        let (got_tx, got_rx) = std::sync::mpsc::channel();
+        let ep4 = ep.clone();
+        let waiter = std::thread::spawn(move || {
+            let g = ep4.lock_with(Patience::Wait);
+            got_tx.send(g.map(|g| *g)).unwrap();
+        });
+        assert!(
+            got_rx
+                .recv_timeout(std::time::Duration::from_millis(200))
+                .is_err(),
+            "Wait does not take a held lock"
+        );
         // The refused try recorded no hold: the queue's lock is still in order here.
         drop(cq.lock());
         done_tx.send(()).unwrap();
         holder.join().unwrap();
+        assert_eq!(
+            got_rx.recv_timeout(std::time::Duration::from_secs(30)),
+            Ok(Some(5)),
+            "Wait has the lock once it is released"
+        );
+        waiter.join().unwrap();
         assert_eq!(*ep.try_lock().expect("released"), 5);
     }
 
