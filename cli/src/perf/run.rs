@@ -38,6 +38,16 @@ const CTRL_TAG: u64 = 1 << 63;
 const STALL: Duration = Duration::from_secs(120);
 /// How long the server waits for the client's next control message.
 const IDLE: Duration = Duration::from_secs(1800);
+/// How long a polling wait goes without progress before its stall check asks whether the
+/// endpoint left. Asking is a system call on verbs (`ibv_query_qp`, at most once a
+/// millisecond), one perftest's loops never make, and a ping-pong's waits are tens to
+/// hundreds of microseconds. Asked after every 1 024 empty polls, as before, the soft-RDMA
+/// guest's iwarp 8-byte send made one query per 30-36 doorbells inside the iterations it
+/// timed (627 and 750 per run); asked after this long, 18 and 26 per run in all
+/// (docs/benchmarks-record.md, fifty-eighth session).
+/// A peer that leaves is still seen within a few milliseconds, and at once where its
+/// leaving flushes what is posted.
+const STATE_AFTER: Duration = Duration::from_millis(2);
 /// One ping-pong send or write in this many is signaled.
 const PINGPONG_SIGNAL: u64 = 32;
 /// Looks at a write ping-pong's marker between two polls of the completion queue, when
@@ -395,29 +405,35 @@ impl<'a> Reaper<'a> {
             }
         }
         if mode == Mode::Block || idle.is_multiple_of(1024) {
-            return self.stall_check(since, limit, what);
+            return self.stall_check(since, limit, what, mode == Mode::Block);
         }
         Ok(())
     }
 
-    /// Fails once `limit` passed without progress; notes whether the endpoint left.
+    /// Fails once `limit` passed without progress; notes whether the endpoint left, asked
+    /// once the wait has gone [`STATE_AFTER`] without progress, or at once after a blocking
+    /// wait that timed out (`blocked`).
     #[cold]
     fn stall_check(
         &mut self,
         since: &mut Option<Instant>,
         limit: Duration,
         what: &str,
+        blocked: bool,
     ) -> Result<(), String> {
         let start = *since.get_or_insert_with(Instant::now);
-        if start.elapsed() > limit {
+        let waited = start.elapsed();
+        if waited > limit {
             return Err(format!(
                 "no progress for {limit:?} waiting for {what} (endpoint {:?})",
                 self.ep.state()
             ));
         }
-        // The caller polls once more before failing: what the peer sent before it left may
-        // already be queued.
-        self.gone = self.ep.state() != EndpointState::Connected;
+        if blocked || waited >= STATE_AFTER {
+            // The caller polls once more before failing: what the peer sent before it left
+            // may already be queued.
+            self.gone = self.ep.state() != EndpointState::Connected;
+        }
         Ok(())
     }
 
@@ -1354,6 +1370,44 @@ mod tests {
                 "each refusal retried, nothing posted twice"
             );
             done_tx.send(()).unwrap();
+        });
+    }
+
+    /// A spinning wait with nothing posted to flush (a receive awaited, none posted) sees
+    /// the peer leave through the stall check's look at the endpoint's state, which comes
+    /// only after [`STATE_AFTER`] without progress: well before `STALL` (tcp provider,
+    /// loopback, in one process).
+    #[test]
+    fn a_spinning_wait_sees_the_peer_leave_without_waiting_out_the_stall_limit() {
+        let (domain, _) = crate::selector(Some("tcp"))
+            .and_then(|s| s.open().map_err(|e| e.to_string()))
+            .expect("tcp domain");
+        let listener = domain.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = listener.local_addr();
+        let (dom, lis) = (&domain, &listener);
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                let cq = dom.create_cq(64).unwrap();
+                let ep = lis
+                    .accept(&EndpointConfig::new(&cq), Duration::from_secs(10))
+                    .unwrap();
+                std::thread::sleep(Duration::from_millis(50));
+                ep.close().unwrap();
+            });
+            let cq = domain.create_cq(64).unwrap();
+            let ep = domain.connect(addr, &EndpointConfig::new(&cq)).unwrap();
+            let mut r = Reaper::new(&cq, &ep, Mode::Spin);
+            let t = Instant::now();
+            let err = r.next_recv(Mode::Spin, STALL).map(|_| ()).unwrap_err();
+            assert!(
+                err.contains("while waiting for a receive"),
+                "the wait failed for the peer's leaving, not the stall limit: {err}"
+            );
+            assert!(
+                t.elapsed() < STALL / 4,
+                "seen after {:?}: the stall check stopped asking the state",
+                t.elapsed()
+            );
         });
     }
 
