@@ -1195,6 +1195,14 @@ impl State<'_> {
 mod tests {
     use super::*;
 
+    /// A domain of the tcp provider, for tests that need real endpoints or regions.
+    fn tcp_domain() -> AnyDomain {
+        crate::selector(Some("tcp"))
+            .and_then(|s| s.open().map_err(|e| e.to_string()))
+            .expect("tcp domain")
+            .0
+    }
+
     /// Receives come out in the order they went in, through emptying and through the
     /// compaction of a backlog that never empties (against a `VecDeque` model).
     #[test]
@@ -1235,9 +1243,7 @@ mod tests {
     /// `[0, size)`.
     #[test]
     fn a_marker_in_its_word_is_the_same_bytes_as_the_general_copy() {
-        let (domain, _) = crate::selector(Some("tcp"))
-            .and_then(|s| s.open().map_err(|e| e.to_string()))
-            .expect("tcp domain");
+        let domain = tcp_domain();
         let mr = domain.alloc(64, Access::LOCAL_WRITE).unwrap();
         for size in [1usize, 3, 8, 12, 16, 64] {
             let m = Marker::new(&mr, size);
@@ -1319,9 +1325,7 @@ mod tests {
     /// in one process).
     #[test]
     fn a_post_refused_for_a_full_send_queue_is_polled_for_and_retried() {
-        let (domain, _) = crate::selector(Some("tcp"))
-            .and_then(|s| s.open().map_err(|e| e.to_string()))
-            .expect("tcp domain");
+        let domain = tcp_domain();
         let listener = domain.listen("127.0.0.1:0".parse().unwrap()).unwrap();
         let addr = listener.local_addr();
         let target = domain.alloc(4096, Access::all()).unwrap();
@@ -1379,9 +1383,7 @@ mod tests {
     /// loopback, in one process).
     #[test]
     fn a_spinning_wait_sees_the_peer_leave_without_waiting_out_the_stall_limit() {
-        let (domain, _) = crate::selector(Some("tcp"))
-            .and_then(|s| s.open().map_err(|e| e.to_string()))
-            .expect("tcp domain");
+        let domain = tcp_domain();
         let listener = domain.listen("127.0.0.1:0".parse().unwrap()).unwrap();
         let addr = listener.local_addr();
         let (dom, lis) = (&domain, &listener);
